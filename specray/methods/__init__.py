@@ -1,0 +1,1 @@
+"""Decoding algorithms: verification rules, residual samplers, decoding loops."""

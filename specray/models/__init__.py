@@ -1,0 +1,1 @@
+"""Model families behind small protocols, the built-in presets, checkpoint loading."""

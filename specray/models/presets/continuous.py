@@ -1,0 +1,3 @@
+"""Built-in continuous presets (registered on import)."""
+
+from specray.models.presets import Preset, register  # noqa: F401

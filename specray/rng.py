@@ -1,0 +1,147 @@
+"""Counter-based per-sample randomness.
+
+Every random number specray draws is a pure function of a key
+``(seed, sample_id, stream, position, step, index)``; there is no generator
+state. A sample's draws therefore do not depend on which rows share its batch,
+which shard it landed in, or how often it was retried, and draft and target can
+share exactly the noise a method needs by asking for the same key.
+
+The hash is SplitMix64's finaliser applied to the key fields one at a time. It
+runs as int64 tensor arithmetic (multiplication wraps modulo 2**64 on every
+torch backend), so draws are made on the device that uses them.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from collections.abc import Sequence
+
+import torch
+
+# SplitMix64 constants, written as signed int64.
+_GOLDEN = 0x9E3779B97F4A7C15 - (1 << 64)
+_MUL1 = 0xBF58476D1CE4E5B9 - (1 << 64)
+_MUL2 = 0x94D049BB133111EB - (1 << 64)
+
+TensorLike = torch.Tensor | int | Sequence[int]
+
+
+def stream_id(name: str | int) -> int:
+    """Stable integer id of a named stream ("draft", "accept", ...)."""
+    if isinstance(name, int):
+        return name
+    return zlib.crc32(name.encode("utf-8"))
+
+
+def _shr(x: torch.Tensor, k: int) -> torch.Tensor:
+    """Logical right shift of int64 bit patterns."""
+    return (x >> k) & ((1 << (64 - k)) - 1)
+
+
+def _mix(z: torch.Tensor) -> torch.Tensor:
+    z = z + _GOLDEN
+    z = (z ^ _shr(z, 30)) * _MUL1
+    z = (z ^ _shr(z, 27)) * _MUL2
+    return z ^ _shr(z, 31)
+
+
+def _as_long(x: TensorLike, device: torch.device | str | None) -> torch.Tensor:
+    if isinstance(x, torch.Tensor):
+        return x.to(device=device, dtype=torch.int64)
+    return torch.as_tensor(x, dtype=torch.int64, device=device)
+
+
+def random_bits(
+    seed: int,
+    sample_ids: TensorLike,
+    stream: str | int,
+    position: TensorLike = 0,
+    step: TensorLike = 0,
+    shape: Sequence[int] = (),
+    device: torch.device | str | None = None,
+) -> torch.Tensor:
+    """64 random bits per element, as int64.
+
+    ``sample_ids``, ``position`` and ``step`` broadcast to a batch shape ``S``;
+    the result has shape ``S + shape``. Element ``j`` of the trailing ``shape``
+    (row-major) is keyed by index ``j``.
+    """
+    if device is None and isinstance(sample_ids, torch.Tensor):
+        device = sample_ids.device
+    sid = _as_long(sample_ids, device)
+    pos = _as_long(position, device)
+    stp = _as_long(step, device)
+    sid, pos, stp = torch.broadcast_tensors(sid, pos, stp)
+    batch_shape = tuple(sid.shape)
+    trailing = tuple(int(s) for s in shape)
+    n = math.prod(trailing)
+    expand = (...,) + (None,) * len(trailing)
+
+    h = _mix(torch.full(batch_shape, int(seed) & 0x7FFFFFFFFFFFFFFF, dtype=torch.int64, device=device))
+    h = _mix(h ^ sid)
+    h = _mix(h ^ stream_id(stream))
+    h = _mix(h ^ pos)
+    h = _mix(h ^ stp)
+    index = torch.arange(n, dtype=torch.int64, device=h.device).reshape(trailing)
+    return _mix(h[expand] ^ (index * _GOLDEN))
+
+
+def uniform(
+    seed: int,
+    sample_ids: TensorLike,
+    stream: str | int,
+    position: TensorLike = 0,
+    step: TensorLike = 0,
+    shape: Sequence[int] = (),
+    device: torch.device | str | None = None,
+) -> torch.Tensor:
+    """Uniforms in [0, 1) as float64 (53 random bits each)."""
+    bits = random_bits(seed, sample_ids, stream, position, step, shape, device)
+    return _shr(bits, 11).to(torch.float64) * (1.0 / (1 << 53))
+
+
+def normal(
+    seed: int,
+    sample_ids: TensorLike,
+    stream: str | int,
+    position: TensorLike = 0,
+    step: TensorLike = 0,
+    shape: Sequence[int] = (),
+    device: torch.device | str | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """Standard normals by Box-Muller on two independent uniforms per element."""
+    shape = tuple(int(s) for s in shape)
+    u = uniform(seed, sample_ids, stream, position, step, shape + (2,), device)
+    u1 = 1.0 - u[..., 0]  # in (0, 1]: log is finite
+    radius = torch.sqrt(-2.0 * torch.log(u1))
+    return (radius * torch.cos(2.0 * math.pi * u[..., 1])).to(dtype)
+
+
+def sample_categorical(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF draw from (unnormalised) ``probs[..., V]`` with uniforms ``u[...]``.
+
+    Zero-probability entries are never returned. Rows must have positive mass.
+    """
+    cdf = torch.cumsum(probs.to(torch.float64), dim=-1)
+    target = (u.to(torch.float64) * cdf[..., -1]).unsqueeze(-1)
+    idx = torch.searchsorted(cdf.contiguous(), target.contiguous(), right=True).squeeze(-1)
+    return idx.clamp_(max=probs.shape[-1] - 1)
+
+
+def categorical(
+    probs: torch.Tensor,
+    seed: int,
+    sample_ids: TensorLike,
+    stream: str | int,
+    position: TensorLike = 0,
+    step: TensorLike = 0,
+) -> torch.Tensor:
+    """Draw one category per row of ``probs[..., V]``, keyed like :func:`uniform`.
+
+    The key fields broadcast to ``probs.shape[:-1]``.
+    """
+    u = uniform(seed, sample_ids, stream, position, step, device=probs.device)
+    u = torch.broadcast_to(u, probs.shape[:-1])
+    return sample_categorical(probs, u)
