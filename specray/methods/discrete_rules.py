@@ -1,0 +1,355 @@
+"""Verification rules for speculative decoding of discrete tokens (spec discrete_sd.md §1–§5).
+
+One round, batched over rows: every row b has γ drafted tokens ``drafts[b]``, the draft
+distributions they were sampled from ``Q[b, i]`` (i = 0..γ−1) and the target distributions
+``P[b, i]`` (i = 0..γ, the last one is the bonus position). Rows decide independently, so
+``n_accepted`` is ragged. All inputs are the *processed* sampler distributions (CFG,
+temperature, top-k, top-p; spec §0.1).
+
+Rules (``RULES``):
+
+* ``"sd"`` — standard speculative sampling (Leviathan et al.; Chen et al.), exact (§1).
+* ``"block"`` — block verification (Sun et al. 2025), exact, never fewer tokens than ``sd`` in
+  expectation (§2). All positions are examined; τ is the *last* position that passes.
+* ``"lantern"`` — LANTERN (δ-mode) / LANTERN++ (λ-mode) relaxed acceptance over latent
+  neighbourhoods (§3), chain version.
+* ``"cool_sd"`` — COOL-SD annealed relaxation ``ω_i = δ·exp(−ν i − μ)`` with the G* residual (§4).
+* ``"uniform_rsd"`` — the same with ``ω_i = δ`` (§4.5 ablation).
+
+Arithmetic: inputs may be float32; every decision is made in float64, after renormalising each
+P and Q row in float64 (the categorical sampler normalises by the row total as well, so the
+renormalised Q is exactly the law the draft was drawn from). Comparisons are strict
+``u < acceptance probability`` (§5.2), so a zero acceptance never passes even when the
+generator returns exactly 0. The correction / bonus token is drawn with
+:func:`specray.rng.sample_categorical` from ``u_residual``.
+
+Defaults chosen for the spec's open points (documented here, configurable in :class:`RuleParams`):
+
+* COOL-SD μ (spec §4.1, [?]): ``mu=None`` means mean normalisation,
+  ``μ = log((1/γ) Σ_{i=1..γ} e^{−ν i})`` so that the mean of ω over the round equals δ (and
+  UNIFORM-RSD at the same δ has the same mean multiplier). Pass a float to fix μ instead.
+  ν defaults to 0.7. Residual: always the general G* = Norm([P − Q·f]_+), never hard-coded
+  to the vanilla residual (positions with ω < 1 need it).
+* LANTERN residual (spec §3.3): ``residual="gstar"`` (default) is G* = Norm([P_j − min(Q_j, P̃_j)]_+)
+  with every vocabulary entry's own neighbourhood. ``residual="official"`` is the released
+  LlamaGen file's chain analogue: if the rejected draft used neighbour mass (m* ≥ 1), Q_j is
+  zeroed on the k+1 nearest neighbours of d_j (d_j keeps its Q mass, no renormalisation) and
+  the residual is Norm([P_j − Q'_j]_+) with a uniform fallback when it has no mass; otherwise the
+  vanilla residual. (The Lumina-mGPT file's variant, zeroing P instead, is not implemented.)
+  When the neighbour table has fewer than k+1 columns, all available neighbours are zeroed.
+  As in the released code, "m* >= 1" also counts neighbours of zero mass (their cumulative mass
+  is <= any budget), so with top-k zeros the official residual differs from ``sd`` even at λ = 1;
+  the G* residual reduces to ``sd`` exactly whenever k = 0, λ = 1 or δ = 0.
+* LANTERN mode: explicit ``mode`` ("lambda": budget (λ−1)·P(x), λ ≥ 1; "delta": budget δ,
+  0 ≤ δ ≤ 1) rather than the code's switch on δ > 1. ``forbid_zero_target_mass`` (default
+  False, the faithful behaviour) sets P̃(x) = 0 wherever P(x) = 0. The bonus is unrelaxed.
+* Zero-mass residual guards: P_j for the exact rules, COOL-SD and LANTERN G* (the residual can
+  only be empty where rejection has probability 0, spec §1/§2/§4.2).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from specray.methods.lantern import LANTERN_MODES, relaxed_target_mass, relaxed_target_mass_all_tokens
+from specray.rng import sample_categorical
+
+RULES = ("sd", "block", "lantern", "cool_sd", "uniform_rsd")
+LANTERN_RESIDUALS = ("gstar", "official")
+_CHAIN_RULES = ("sd", "lantern", "cool_sd", "uniform_rsd")
+_F64 = torch.float64
+
+
+@dataclass
+class RuleParams:
+    """Parameters of the relaxed rules; ``sd`` and ``block`` use none of them."""
+
+    # LANTERN / LANTERN++
+    k: int = 0
+    lam: float | None = None
+    delta: float | None = None  # LANTERN δ-mode budget; COOL-SD / UNIFORM-RSD δ
+    mode: str = "lambda"
+    residual: str = "gstar"
+    forbid_zero_target_mass: bool = False
+    neighbours: torch.Tensor | None = None  # int64 [V, kmax], nearest first, self excluded
+    # COOL-SD
+    nu: float = 0.7
+    mu: float | None = None  # None: mean normalisation (module docstring)
+
+
+@dataclass
+class VerifyOutput:
+    n_accepted: torch.Tensor  # int64 [B], accepted drafts, 0..gamma
+    next_token: torch.Tensor  # int64 [B], correction (n_accepted < gamma) or bonus token
+    accepted_mask: torch.Tensor  # bool [B, gamma], positions < n_accepted
+
+
+@dataclass
+class VerifyDetails:
+    """What a round's decision was computed from; used by the exact-enumeration tests."""
+
+    pass_probs: torch.Tensor  # float64 [B, gamma]; row b passes position i iff u_accept[b, i] < this
+    next_token_probs: torch.Tensor  # float64 [B, V], normalised law the next token was drawn from
+    residual_fallback: torch.Tensor  # bool [B], the residual had zero mass and a guard was used
+
+
+# --------------------------------------------------------------------------------------------
+# validation
+
+
+def validate_params(rule: str, params: RuleParams) -> None:
+    """Raise ValueError naming the bad field and its allowed values."""
+    if rule not in RULES:
+        raise ValueError(f"rule must be one of {RULES}, got {rule!r}")
+    if rule == "lantern":
+        if not isinstance(params.k, int) or params.k < 0:
+            raise ValueError(f"params.k must be an int >= 0 for rule 'lantern', got {params.k!r}")
+        if params.mode not in LANTERN_MODES:
+            raise ValueError(f"params.mode must be one of {LANTERN_MODES}, got {params.mode!r}")
+        if params.mode == "lambda" and (params.lam is None or params.lam < 1.0):
+            raise ValueError(f"params.lam must be a float >= 1 in lantern mode 'lambda', got {params.lam!r}")
+        if params.mode == "delta" and (params.delta is None or not 0.0 <= params.delta <= 1.0):
+            raise ValueError(f"params.delta must be in [0, 1] in lantern mode 'delta', got {params.delta!r}")
+        if params.residual not in LANTERN_RESIDUALS:
+            raise ValueError(f"params.residual must be one of {LANTERN_RESIDUALS}, got {params.residual!r}")
+    if rule in ("cool_sd", "uniform_rsd"):
+        if params.delta is None or params.delta < 0.0:
+            raise ValueError(f"params.delta must be a float >= 0 for rule {rule!r}, got {params.delta!r}")
+        if rule == "cool_sd" and params.nu is None:
+            raise ValueError("params.nu must be a float for rule 'cool_sd', got None")
+
+
+def _validate_shapes(P: torch.Tensor, Q: torch.Tensor, drafts: torch.Tensor,
+                     u_accept: torch.Tensor, u_residual: torch.Tensor) -> None:
+    if P.dim() != 3:
+        raise ValueError(f"P must have shape [B, gamma+1, V], got {tuple(P.shape)}")
+    batch, positions, vocab = P.shape
+    gamma = positions - 1
+    if gamma < 1:
+        raise ValueError(f"P must cover gamma+1 >= 2 positions, got {positions}")
+    if tuple(Q.shape) != (batch, gamma, vocab):
+        raise ValueError(f"Q must have shape [B={batch}, gamma={gamma}, V={vocab}], got {tuple(Q.shape)}")
+    if tuple(drafts.shape) != (batch, gamma):
+        raise ValueError(f"drafts must have shape [B={batch}, gamma={gamma}], got {tuple(drafts.shape)}")
+    if tuple(u_accept.shape) != (batch, gamma):
+        raise ValueError(f"u_accept must have shape [B={batch}, gamma={gamma}], got {tuple(u_accept.shape)}")
+    if tuple(u_residual.shape) != (batch,):
+        raise ValueError(f"u_residual must have shape [B={batch}], got {tuple(u_residual.shape)}")
+
+
+# --------------------------------------------------------------------------------------------
+# building blocks (public so tests and loops can inspect what a round decides from)
+
+
+def normalise(dist: torch.Tensor) -> torch.Tensor:
+    """Rows as float64 distributions summing to 1."""
+    d = dist.to(_F64)
+    return d / d.sum(dim=-1, keepdim=True)
+
+
+def cool_sd_omegas(gamma: int, delta: float, nu: float = 0.7, mu: float | None = None) -> torch.Tensor:
+    """COOL-SD schedule ``ω_i = δ·exp(−ν i − μ)``, i = 1..γ, float64 ``[γ]``.
+
+    ``mu=None`` is mean normalisation (``mean(ω) = δ``), the spec's default for its open μ.
+    """
+    if gamma < 1:
+        raise ValueError(f"gamma must be >= 1, got {gamma}")
+    positions = torch.arange(1, gamma + 1, dtype=_F64)
+    if mu is None:
+        mu = math.log(torch.exp(-nu * positions).mean().item())
+    return float(delta) * torch.exp(-nu * positions - float(mu))
+
+
+def rule_omegas(rule: str, gamma: int, params: RuleParams) -> torch.Tensor:
+    """Per-position multipliers ω of the COOL-SD family (ones for the other rules)."""
+    if rule == "cool_sd":
+        return cool_sd_omegas(gamma, params.delta, params.nu, params.mu)
+    if rule == "uniform_rsd":
+        return torch.full((gamma,), float(params.delta), dtype=_F64)
+    return torch.ones(gamma, dtype=_F64)
+
+
+def _ratio_prob(numerator: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """min(1, numerator / q), with q = 0 meaning 'accept iff numerator > 0'."""
+    safe_q = torch.where(q > 0, q, torch.ones_like(q))
+    ratio = torch.where(q > 0, numerator / safe_q, (numerator > 0).to(_F64))
+    return ratio.clamp(max=1.0)
+
+
+def relaxed_draft_mass(rule: str, P: torch.Tensor, drafts: torch.Tensor, params: RuleParams) -> torch.Tensor:
+    """Target-side mass the chain rules compare against Q(d_i): ``[B, γ]`` float64.
+
+    P is the normalised float64 ``[B, γ+1, V]``. sd: P_i(d_i); cool_sd/uniform_rsd: ω_i P_i(d_i);
+    lantern: P̃_i(d_i).
+    """
+    gamma = drafts.shape[1]
+    p_draft = torch.gather(P[:, :gamma], -1, drafts.unsqueeze(-1)).squeeze(-1)
+    if rule == "lantern":
+        relaxed, _ = relaxed_target_mass(
+            P[:, :gamma], drafts, params.neighbours, params.k, params.mode, params.lam,
+            params.delta, params.forbid_zero_target_mass,
+        )
+        return relaxed
+    return rule_omegas(rule, gamma, params).to(P.device) * p_draft
+
+
+def block_weights(P: torch.Tensor, Q: torch.Tensor, drafts: torch.Tensor) -> torch.Tensor:
+    """Capped cumulative likelihood ratios ``w_0 = 1, w_i = min(1, w_{i−1} P_i(d_i)/Q_i(d_i))``: ``[B, γ+1]``."""
+    gamma = drafts.shape[1]
+    p_draft = torch.gather(P[:, :gamma], -1, drafts.unsqueeze(-1)).squeeze(-1)
+    q_draft = torch.gather(Q, -1, drafts.unsqueeze(-1)).squeeze(-1)
+    weights = [torch.ones_like(p_draft[:, 0])]
+    for i in range(gamma):
+        # min(1, w·P/Q) without 0·inf: a zero weight stays zero, Q = 0 caps at 1 when P > 0.
+        step = _ratio_prob(weights[-1] * p_draft[:, i], q_draft[:, i])
+        weights.append(torch.where(weights[-1] > 0, step, torch.zeros_like(step)))
+    return torch.stack(weights, dim=1)
+
+
+def block_stop_probs(P: torch.Tensor, Q: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """``h_1 … h_γ`` of block verification (spec §2): ``[B, γ]`` float64."""
+    gamma = Q.shape[1]
+    w = weights[:, :gamma].unsqueeze(-1)  # w_0 .. w_{γ−1}
+    # Z_i pairs w_i with the distributions of 1-based position i+1, i.e. 0-based index i.
+    residual_mass = (w * P[:, :gamma] - Q).clamp(min=0).sum(-1)  # Z_0 .. Z_{γ−1}
+    z = residual_mass[:, 1:]
+    denominator = z + 1.0 - weights[:, 1:gamma]
+    safe = torch.where(denominator > 0, denominator, torch.ones_like(denominator))
+    inner = torch.where(denominator > 0, z / safe, torch.ones_like(z)).clamp(0.0, 1.0)
+    return torch.cat([inner, weights[:, gamma:]], dim=1)
+
+
+def acceptance_probs(rule: str, P: torch.Tensor, Q: torch.Tensor, drafts: torch.Tensor,
+                     params: RuleParams) -> torch.Tensor:
+    """Pass probabilities ``[B, γ]`` float64; row b passes position i iff ``u_accept[b, i] <`` this.
+
+    Chain rules: the conditional acceptance probability ``min(1, P̃_i(d_i)/Q_i(d_i))`` (stop at the
+    first failure). Block: the stop probabilities h_i (τ = last passing position).
+    P and Q must be normalised float64 (see :func:`normalise`).
+    """
+    if rule == "block":
+        return block_stop_probs(P, Q, block_weights(P, Q, drafts))
+    q_draft = torch.gather(Q, -1, drafts.unsqueeze(-1)).squeeze(-1)
+    return _ratio_prob(relaxed_draft_mass(rule, P, drafts, params), q_draft)
+
+
+def decide_accepted(rule: str, passed: torch.Tensor) -> torch.Tensor:
+    """Number of accepted drafts ``[B]`` from per-position pass events ``[B, γ]``."""
+    if rule == "block":
+        positions = torch.arange(1, passed.shape[1] + 1, device=passed.device)
+        return (passed.to(torch.int64) * positions).max(dim=1).values  # last passing index, NOT a prefix
+    return torch.cumprod(passed.to(torch.int64), dim=1).sum(dim=1)
+
+
+def _row_at(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``x[b, index[b]]`` for ``x[B, L, ...]``."""
+    return x[torch.arange(x.shape[0], device=x.device), index]
+
+
+def correction_dist(rule: str, P: torch.Tensor, Q: torch.Tensor, drafts: torch.Tensor,
+                    n_accepted: torch.Tensor, params: RuleParams) -> tuple[torch.Tensor, torch.Tensor]:
+    """Unnormalised law of the token emitted after ``n_accepted`` drafts, and a fallback flag.
+
+    Returns ``(dist [B, V] float64, fallback [B] bool)``: the bonus ``P_{γ+1}`` where all γ
+    drafts were accepted, otherwise the rule's residual at position j = n_accepted (0-based);
+    ``fallback`` marks rows whose residual had zero mass and was replaced by the guard.
+    """
+    gamma = drafts.shape[1]
+    is_bonus = n_accepted == gamma
+    j = n_accepted.clamp(max=gamma - 1)
+    p_j = _row_at(P, n_accepted)  # the bonus position for bonus rows
+    q_j = _row_at(Q, j)
+    guard = p_j
+    if rule == "sd":
+        residual = (p_j - q_j).clamp(min=0)
+    elif rule == "block":
+        w_tau = _row_at(block_weights(P, Q, drafts), n_accepted).unsqueeze(-1)
+        residual = (w_tau * p_j - q_j).clamp(min=0)
+    elif rule in ("cool_sd", "uniform_rsd"):
+        omega = rule_omegas(rule, gamma, params).to(P.device)[j].unsqueeze(-1)
+        residual = (p_j - torch.minimum(q_j, omega * p_j)).clamp(min=0)
+    elif params.residual == "gstar":
+        relaxed = relaxed_target_mass_all_tokens(
+            p_j, params.neighbours, params.k, params.mode, params.lam, params.delta,
+            params.forbid_zero_target_mass,
+        )
+        residual = (p_j - torch.minimum(q_j, relaxed)).clamp(min=0)
+    else:
+        residual, guard = _lantern_official_residual(p_j, q_j, _row_at(drafts, j), params)
+    fallback = (residual.sum(-1) <= 0) & ~is_bonus
+    residual = torch.where(fallback.unsqueeze(-1), guard, residual)
+    return torch.where(is_bonus.unsqueeze(-1), p_j, residual), fallback
+
+
+def _lantern_official_residual(p_j: torch.Tensor, q_j: torch.Tensor, draft_j: torch.Tensor,
+                               params: RuleParams) -> tuple[torch.Tensor, torch.Tensor]:
+    """LlamaGen-file residual: zero Q on the k+1 nearest neighbours of d_j when m* >= 1."""
+    _, m_star = relaxed_target_mass(
+        p_j, draft_j, params.neighbours, params.k, params.mode, params.lam, params.delta,
+        params.forbid_zero_target_mass,
+    )
+    used_neighbours = (m_star >= 1).unsqueeze(-1)
+    vanilla = (p_j - q_j).clamp(min=0)
+    if params.k == 0:
+        return vanilla, p_j
+    zeroed_ids = params.neighbours[:, : params.k + 1].to(p_j.device)[draft_j]  # [B, <=k+1]
+    q_masked = q_j.scatter(-1, zeroed_ids, 0.0)
+    official = (p_j - q_masked).clamp(min=0)
+    uniform = torch.full_like(p_j, 1.0 / p_j.shape[-1])
+    return (torch.where(used_neighbours, official, vanilla),
+            torch.where(used_neighbours, uniform, p_j))
+
+
+# --------------------------------------------------------------------------------------------
+# the round
+
+CorrectionFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+
+
+def _verify_impl(rule: str, P: torch.Tensor, Q: torch.Tensor, drafts: torch.Tensor,
+                 u_accept: torch.Tensor, u_residual: torch.Tensor, params: RuleParams,
+                 correction_fn: CorrectionFn = correction_dist) -> tuple[VerifyOutput, VerifyDetails]:
+    """The round; ``correction_fn`` exists only so tests can inject a wrong residual (negative control)."""
+    validate_params(rule, params)
+    _validate_shapes(P, Q, drafts, u_accept, u_residual)
+    device = P.device
+    P64, Q64 = normalise(P), normalise(Q.to(device))
+    drafts = drafts.to(device=device, dtype=torch.int64)
+    pass_probs = acceptance_probs(rule, P64, Q64, drafts, params)
+    passed = u_accept.to(device=device, dtype=_F64) < pass_probs
+    n_accepted = decide_accepted(rule, passed)
+    dist, fallback = correction_fn(rule, P64, Q64, drafts, n_accepted, params)
+    dist = dist / dist.sum(-1, keepdim=True)
+    next_token = sample_categorical(dist, u_residual.to(device=device, dtype=_F64))
+    gamma = drafts.shape[1]
+    accepted_mask = torch.arange(gamma, device=device).unsqueeze(0) < n_accepted.unsqueeze(1)
+    output = VerifyOutput(n_accepted=n_accepted, next_token=next_token, accepted_mask=accepted_mask)
+    return output, VerifyDetails(pass_probs=pass_probs, next_token_probs=dist, residual_fallback=fallback)
+
+
+def verify_with_details(rule: str, P: torch.Tensor, Q: torch.Tensor, drafts: torch.Tensor,
+                        u_accept: torch.Tensor, u_residual: torch.Tensor,
+                        params: RuleParams | None = None) -> tuple[VerifyOutput, VerifyDetails]:
+    """:func:`verify` plus the pass probabilities and the next-token law it used."""
+    return _verify_impl(rule, P, Q, drafts, u_accept, u_residual, params or RuleParams())
+
+
+def verify(rule: str, P: torch.Tensor, Q: torch.Tensor, drafts: torch.Tensor,
+           u_accept: torch.Tensor, u_residual: torch.Tensor,
+           params: RuleParams | None = None) -> VerifyOutput:
+    """Decide one speculative round for every row.
+
+    Args:
+        rule: one of :data:`RULES`.
+        P: target distributions ``[B, γ+1, V]`` (processed; float32 or float64).
+        Q: draft distributions ``[B, γ, V]``, the exact vectors the drafts were sampled from.
+        drafts: int64 ``[B, γ]``.
+        u_accept: float64 uniforms ``[B, γ]``, one per draft position (block uses all of them).
+        u_residual: float64 uniforms ``[B]`` for the correction / bonus draw.
+        params: rule parameters (see :class:`RuleParams`).
+    """
+    return verify_with_details(rule, P, Q, drafts, u_accept, u_residual, params)[0]
