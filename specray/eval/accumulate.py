@@ -1,0 +1,154 @@
+"""Per-arm streaming state: everything the report needs, updated one record batch at a time.
+
+Memory per arm is fixed (feature moments, ``B`` bootstrap replicates, counters,
+one float per batch of wall time, a few grid images) plus, only while it fits
+in ``image_budget_bytes``, the arm's raw images for torch-fidelity's own
+``calculate_metrics`` (which holds its inputs in memory). Past the budget the
+images are dropped and FID comes from the streamed moments alone.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field
+
+import numpy as np
+import pyarrow as pa
+
+from specray.eval.bootstrap import BootstrapMoments
+from specray.eval.fid import FeatureMoments
+from specray.eval.speedup import BatchTimes
+
+
+@dataclass
+class AcceptanceTotals:
+    """Pooled counters: ratios of sums, not means of per-sample ratios."""
+
+    num_samples: int = 0
+    num_tokens: int = 0
+    num_spec_steps: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_draft_tokens: int = 0
+    target_calls: int = 0
+    draft_calls: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+    sample_wall_time_s: float = 0.0
+
+    def update(self, batch: pa.RecordBatch) -> None:
+        column = lambda name: np.asarray(batch.column(name).to_numpy(zero_copy_only=False))  # noqa: E731
+        self.num_samples += batch.num_rows
+        self.num_tokens += int(column("num_tokens").sum())
+        self.num_spec_steps += int(column("num_spec_steps").sum())
+        self.num_draft_tokens += int(column("num_draft_tokens").sum())
+        self.num_accepted_draft_tokens += int(column("num_accepted_draft_tokens").sum())
+        self.target_calls += int(column("target_calls").sum())
+        self.draft_calls += int(column("draft_calls").sum())
+        self.sample_wall_time_s += float(column("sample_wall_time_s").sum())
+        for positions in batch.column("accepted_per_position").to_pylist():
+            positions = positions or []
+            if len(positions) > len(self.accepted_per_position):
+                self.accepted_per_position.extend([0] * (len(positions) - len(self.accepted_per_position)))
+            for i, value in enumerate(positions):
+                self.accepted_per_position[i] += int(value)
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Emitted tokens per target call, bonus included (target_only: 1.0)."""
+        return self.num_tokens / self.target_calls if self.target_calls else float("nan")
+
+    @property
+    def draft_acceptance_rate(self) -> float:
+        return self.num_accepted_draft_tokens / self.num_draft_tokens if self.num_draft_tokens else float("nan")
+
+    @property
+    def acceptance_by_position(self) -> list[float]:
+        """Fraction of rounds in which draft position i was accepted."""
+        if not self.num_spec_steps:
+            return []
+        return [v / self.num_spec_steps for v in self.accepted_per_position]
+
+
+@dataclass
+class GridKeeper:
+    """Keeps the images of the ``per_class`` smallest sample_ids of each class.
+
+    Every arm has the same sample_ids, so every arm keeps the same ones: the
+    grid shows the same samples side by side.
+    """
+
+    per_class: int
+    # class -> max-heap (negated sample_id, image)
+    kept: dict[int, list[tuple[int, int, np.ndarray]]] = field(default_factory=dict)
+
+    def offer(self, sample_ids: np.ndarray, labels: np.ndarray, images: np.ndarray) -> None:
+        for sid, label, image in zip(sample_ids.tolist(), labels.tolist(), images):
+            heap = self.kept.setdefault(int(label), [])
+            item = (-sid, sid, image)
+            if len(heap) < self.per_class:
+                heapq.heappush(heap, item)
+            elif sid < heap[0][1]:
+                heapq.heapreplace(heap, item)
+
+    def images_by_id(self) -> dict[int, tuple[int, np.ndarray]]:
+        return {sid: (label, image) for label, heap in self.kept.items() for _, sid, image in heap}
+
+
+@dataclass
+class ArmAccumulator:
+    name: str
+    feature_dim: int
+    bootstrap_replicates: int
+    bootstrap_seed: int
+    grid_per_class: int
+    image_budget_bytes: int
+    nominal_batch_size: int | None
+    moments: FeatureMoments = field(init=False)
+    halves: tuple[FeatureMoments, FeatureMoments] = field(init=False)
+    bootstrap: BootstrapMoments = field(init=False)
+    totals: AcceptanceTotals = field(default_factory=AcceptanceTotals)
+    times: BatchTimes = field(default_factory=BatchTimes)
+    grid: GridKeeper = field(init=False)
+    images: list[np.ndarray] | None = field(default_factory=list)  # None once over budget
+    image_bytes: int = 0
+    metadata: dict[str, str] = field(default_factory=dict)
+    has_actor_column: bool = False
+
+    def __post_init__(self) -> None:
+        self.moments = FeatureMoments(self.feature_dim)
+        self.halves = (FeatureMoments(self.feature_dim), FeatureMoments(self.feature_dim))
+        self.bootstrap = BootstrapMoments(self.feature_dim, self.bootstrap_replicates, self.bootstrap_seed)
+        self.grid = GridKeeper(self.grid_per_class)
+
+    def update(self, batch: pa.RecordBatch, shard: int, images: np.ndarray, features: np.ndarray) -> None:
+        sample_ids = batch.column("sample_id").to_numpy().astype(np.int64)
+        labels = batch.column("class_label").to_numpy(zero_copy_only=False).astype(np.int64)
+        for key in ("method", "family", "target", "draft", "device"):
+            if key not in self.metadata:
+                self.metadata[key] = batch.column(key)[0].as_py()
+        self.moments.update(features)
+        even = sample_ids % 2 == 0
+        self.halves[0].update(features[even])
+        self.halves[1].update(features[~even])
+        self.bootstrap.update(features, sample_ids)
+        self.totals.update(batch)
+        self.grid.offer(sample_ids, labels, images)
+        self._record_times(batch, shard, sample_ids)
+        if self.images is not None:
+            self.image_bytes += images.nbytes
+            if self.image_bytes <= self.image_budget_bytes:
+                self.images.append(images)
+            else:
+                self.images = None  # over budget: streamed statistics only
+
+    def _record_times(self, batch: pa.RecordBatch, shard: int, sample_ids: np.ndarray) -> None:
+        walls = batch.column("batch_wall_time_s").to_numpy()
+        sizes = batch.column("batch_size").to_numpy().astype(np.int64)
+        if "actor" in batch.schema.names:
+            self.has_actor_column = True
+            actors = [str(a) for a in batch.column("actor").to_pylist()]
+        else:
+            actors = [""] * batch.num_rows  # rows of one shard task ran on one actor
+        nominal = self.nominal_batch_size or int(sizes.max())
+        batch_index = sample_ids // nominal  # the plan cuts batches at multiples of the batch size
+        for actor, index, wall in zip(actors, batch_index.tolist(), walls.tolist()):
+            self.times.add((actor, shard, index), wall, 1)

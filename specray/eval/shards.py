@@ -1,0 +1,117 @@
+"""Reading a run: its manifest, and the shards it lists, streamed in record batches.
+
+Only files the manifest lists are read (a shard written after the manifest, or
+a stray temp file, is never scored). Each shard is opened through fsspec
+(local paths and ``s3://`` alike) and read ``batch_rows`` rows at a time, so
+the reducer's memory depends on the batch size, not on the run's size.
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from specray.runtime.store import MANIFEST_NAME, RunStore
+
+# Columns the reducer needs; ``actor`` is read too when a run has it.
+STAT_COLUMNS = (
+    "arm", "method", "family", "target", "draft", "sample_id", "class_label", "image",
+    "num_tokens", "num_spec_steps", "num_draft_tokens", "num_accepted_draft_tokens",
+    "accepted_per_position", "target_calls", "draft_calls", "batch_size", "batch_wall_time_s",
+    "sample_wall_time_s", "device",
+)
+OPTIONAL_COLUMNS = ("actor",)
+
+
+@dataclass(frozen=True)
+class ShardEntry:
+    arm: str
+    shard: int
+    path: str  # relative to the run directory
+    rows: int
+
+
+@dataclass(frozen=True)
+class RunManifest:
+    raw: dict[str, Any]
+    shards: tuple[ShardEntry, ...]
+
+    @property
+    def arm_names(self) -> list[str]:
+        """Arms in job order (manifest ``arms``), falling back to shard order."""
+        names = [a["name"] for a in self.raw.get("arms", [])]
+        for entry in self.shards:
+            if entry.arm not in names:
+                names.append(entry.arm)
+        return names
+
+    def arm_info(self, name: str) -> dict[str, Any]:
+        for arm in self.raw.get("arms", []):
+            if arm.get("name") == name:
+                return arm
+        return {"name": name}
+
+    @property
+    def batch_size(self) -> int | None:
+        layout = self.raw.get("layout") or {}
+        value = layout.get("batch_size") or (self.raw.get("spec") or {}).get("batch_size")
+        return int(value) if value else None
+
+    @property
+    def baseline_arm(self) -> str | None:
+        """The job's ``eval.baseline``, if it names one."""
+        return ((self.raw.get("spec") or {}).get("eval") or {}).get("baseline")
+
+
+def read_manifest(store: RunStore) -> RunManifest:
+    raw = store.read_json(MANIFEST_NAME)
+    if raw is None:
+        raise FileNotFoundError(
+            f"{store.full_path(MANIFEST_NAME)} not found: the run is incomplete (the manifest is written last) "
+            "or the path is not a run directory"
+        )
+    entries = raw.get("shards")
+    if not isinstance(entries, list):
+        raise ValueError(f"{MANIFEST_NAME}: field 'shards' must be a list of shard records")
+    shards = []
+    for i, entry in enumerate(entries):
+        for key in ("arm", "path"):
+            if key not in entry:
+                raise ValueError(f"{MANIFEST_NAME}: shards[{i}] lacks field {key!r}")
+        shards.append(ShardEntry(entry["arm"], int(entry.get("shard", i)), entry["path"], int(entry.get("rows", -1))))
+    return RunManifest(raw, tuple(shards))
+
+
+def iter_shard_batches(store: RunStore, entry: ShardEntry, batch_rows: int = 1024) -> Iterator[pa.RecordBatch]:
+    """Record batches of one listed shard (needed columns only)."""
+    with store.fs.open(store.full_path(entry.path), "rb") as handle:
+        parquet = pq.ParquetFile(handle)
+        available = set(parquet.schema_arrow.names)
+        missing = [c for c in STAT_COLUMNS if c not in available]
+        if missing:
+            raise ValueError(f"shard {entry.path} lacks columns {missing}")
+        columns = list(STAT_COLUMNS) + [c for c in OPTIONAL_COLUMNS if c in available]
+        yield from parquet.iter_batches(batch_size=batch_rows, columns=columns)
+
+
+def decode_images(image_column: pa.Array) -> np.ndarray:
+    """PNG structs -> uint8 ``[N, H, W]`` (grey) or ``[N, H, W, 3]``; every image of a batch must share a shape."""
+    from PIL import Image
+
+    decoded = []
+    for i, blob in enumerate(image_column.field("bytes").to_pylist()):
+        if blob is None:
+            raise ValueError(f"image {i} of a batch has no bytes (image.path references are not supported yet)")
+        with Image.open(io.BytesIO(blob)) as pil:
+            array = np.asarray(pil.convert("L") if pil.mode in ("L", "P", "1", "I;16") else pil.convert("RGB"))
+        decoded.append(array)
+    shapes = {a.shape for a in decoded}
+    if len(shapes) > 1:
+        raise ValueError(f"images of one batch differ in shape: {sorted(shapes)}")
+    return np.stack(decoded).astype(np.uint8, copy=False)

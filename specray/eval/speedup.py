@@ -1,0 +1,128 @@
+"""Speedup of an arm over its ``target_only`` baseline, from paired wall times.
+
+An actor runs every arm of a shard batch by batch (arms in job order), so the
+same batch of sample_ids is timed for each arm on the same actor at nearly the
+same time. A *batch record* is one (actor, shard, batch) of one arm; pairing
+an arm's records with the baseline's on the same key gives per-batch ratios
+``baseline_wall / arm_wall`` whose median is the reported speedup (robust to
+stragglers), with a bootstrap interval over batches. The throughput ratio
+(sum of baseline wall over sum of arm wall on the paired batches) is reported
+beside it.
+
+Warm-up: the first batch of each (arm, actor, shard) is dropped when the shard
+has more batches (it is the only batch that can pay one-off costs once the
+model is loaded; without execution timestamps the first batch an actor ran
+cannot be told apart from the first batch of each of its shards, so every
+shard's first is dropped -- a superset of the true warm-up batches).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from specray.eval.bootstrap import bootstrap_statistic
+
+BatchKey = tuple[str, int, int]  # (actor, shard index, batch index)
+
+
+@dataclass
+class BatchTimes:
+    """One arm's batch wall times: key -> (wall seconds, rows)."""
+
+    walls: dict[BatchKey, float] = field(default_factory=dict)
+    rows: dict[BatchKey, int] = field(default_factory=dict)
+
+    def add(self, key: BatchKey, wall_s: float, rows: int) -> None:
+        previous = self.walls.get(key)
+        if previous is not None and abs(previous - wall_s) > 1e-12:
+            raise ValueError(
+                f"batch {key} has two different batch_wall_time_s values ({previous} and {wall_s}); "
+                "rows of one batch must share it"
+            )
+        self.walls[key] = float(wall_s)
+        self.rows[key] = self.rows.get(key, 0) + int(rows)
+
+    def without_warmup(self) -> BatchTimes:
+        first: dict[tuple[str, int], int] = {}
+        count: dict[tuple[str, int], int] = {}
+        for actor, shard, batch in self.walls:
+            first[(actor, shard)] = min(batch, first.get((actor, shard), batch))
+            count[(actor, shard)] = count.get((actor, shard), 0) + 1
+        kept = BatchTimes()
+        for key, wall in self.walls.items():
+            actor, shard, batch = key
+            if count[(actor, shard)] > 1 and batch == first[(actor, shard)]:
+                continue
+            kept.walls[key] = wall
+            kept.rows[key] = self.rows[key]
+        return kept
+
+
+@dataclass
+class SpeedupResult:
+    speedup: float  # median over paired batches of baseline_wall / arm_wall
+    speedup_ci: tuple[float, float]
+    throughput_speedup: float  # sum(baseline_wall) / sum(arm_wall) over paired batches
+    throughput_ci: tuple[float, float]
+    num_pairs: int
+    warmup_dropped: bool
+    pairing: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "speedup": self.speedup,
+            "speedup_ci": list(self.speedup_ci),
+            "throughput_speedup": self.throughput_speedup,
+            "throughput_ci": list(self.throughput_ci),
+            "num_pairs": self.num_pairs,
+            "warmup_dropped": self.warmup_dropped,
+            "pairing": self.pairing,
+        }
+
+
+def paired_walls(arm: BatchTimes, baseline: BatchTimes) -> np.ndarray:
+    """``[P, 2]`` (arm_wall, baseline_wall) on keys both have, in key order."""
+    keys = sorted(set(arm.walls) & set(baseline.walls))
+    return np.array([[arm.walls[k], baseline.walls[k]] for k in keys], dtype=np.float64).reshape(-1, 2)
+
+
+def _median_ratio(pairs: np.ndarray) -> float:
+    return float(np.median(pairs[:, 1] / pairs[:, 0]))
+
+
+def _throughput_ratio(pairs: np.ndarray) -> float:
+    return float(pairs[:, 1].sum() / pairs[:, 0].sum())
+
+
+def speedup_over_baseline(
+    arm: BatchTimes,
+    baseline: BatchTimes,
+    *,
+    drop_warmup: bool = True,
+    num_replicates: int = 1000,
+    seed: int = 0,
+    confidence: float = 0.95,
+    pairing: str = "actor,shard,batch",
+) -> SpeedupResult:
+    """Median per-batch speedup and throughput speedup with bootstrap intervals over paired batches."""
+    pairs = paired_walls(arm.without_warmup(), baseline.without_warmup()) if drop_warmup else np.zeros((0, 2))
+    warmup_dropped = drop_warmup and len(pairs) > 0
+    if not warmup_dropped:  # nothing left after warm-up removal (one batch per shard): keep everything
+        pairs = paired_walls(arm, baseline)
+    if len(pairs) == 0:
+        nan = float("nan")
+        return SpeedupResult(nan, (nan, nan), nan, (nan, nan), 0, warmup_dropped, pairing)
+    if (pairs <= 0).any():
+        raise ValueError("batch_wall_time_s must be positive for every paired batch")
+    return SpeedupResult(
+        speedup=_median_ratio(pairs),
+        speedup_ci=bootstrap_statistic(pairs, _median_ratio, num_replicates, seed, confidence),
+        throughput_speedup=_throughput_ratio(pairs),
+        throughput_ci=bootstrap_statistic(pairs, _throughput_ratio, num_replicates, seed + 1, confidence),
+        num_pairs=len(pairs),
+        warmup_dropped=warmup_dropped,
+        pairing=pairing,
+    )
