@@ -6,6 +6,7 @@ train/held-out split is fixed: a seeded permutation, the first 90% train.
 
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import Literal
 
 import numpy as np
@@ -26,15 +27,23 @@ def load_digits_split(split: Split, seed: int = 0) -> tuple[torch.Tensor, torch.
     """
     if split not in ("train", "heldout"):
         raise ValueError(f"split must be 'train' or 'heldout', got {split!r}")
+    images, labels = _all_digits()
+    order = np.random.RandomState(seed).permutation(len(labels))
+    n_train = int(round(TRAIN_FRACTION * len(labels)))
+    chosen = order[:n_train] if split == "train" else order[n_train:]
+    return torch.from_numpy(images[chosen].copy()), torch.from_numpy(labels[chosen].copy())
+
+
+@lru_cache(maxsize=1)
+def _all_digits() -> tuple[np.ndarray, np.ndarray]:
     from sklearn.datasets import load_digits
 
     data = load_digits()
     images = np.asarray(data.images, dtype=np.uint8)  # levels are integral floats 0..16
     labels = np.asarray(data.target, dtype=np.int64)
-    order = np.random.RandomState(seed).permutation(len(labels))
-    n_train = int(round(TRAIN_FRACTION * len(labels)))
-    chosen = order[:n_train] if split == "train" else order[n_train:]
-    return torch.from_numpy(images[chosen].copy()), torch.from_numpy(labels[chosen].copy())
+    images.setflags(write=False)
+    labels.setflags(write=False)
+    return images, labels
 
 
 def to_uint8_pixels(levels: torch.Tensor) -> torch.Tensor:

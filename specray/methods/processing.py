@@ -1,0 +1,90 @@
+"""The sampler's logits processing (spec discrete_sd §0.1), shared by baseline, drafting and verification.
+
+Order (LlamaGen's): CFG on logits -> temperature -> top-k -> top-p -> softmax in float32.
+Verification is exact only if it uses the very vector the sampler draws from, so
+every caller goes through :func:`process_logits`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+MIN_TEMPERATURE = 1e-5
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    cfg_scale: float = 1.0
+    temperature: float = 1.0
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0  # 1.0 = off
+
+    def __post_init__(self) -> None:
+        if not self.cfg_scale >= 0.0:
+            raise ValueError(f"cfg_scale must be >= 0, got {self.cfg_scale}")
+        if not self.temperature >= 0.0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if int(self.top_k) != self.top_k or self.top_k < 0:
+            raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1] (1 = off), got {self.top_p}")
+
+    @property
+    def uses_uncond(self) -> bool:
+        """Whether the unconditional stream is needed (cfg_scale != 1)."""
+        return self.cfg_scale != 1.0
+
+
+def cfg_combine(cond_logits: torch.Tensor, uncond_logits: torch.Tensor | None, cfg_scale: float) -> torch.Tensor:
+    """``l_u + s (l_c - l_u)`` in float32; the cond logits alone when there is no uncond stream."""
+    cond = cond_logits.float()
+    if uncond_logits is None:
+        if cfg_scale != 1.0:
+            raise ValueError(f"cfg_scale={cfg_scale} needs uncond_logits")
+        return cond
+    uncond = uncond_logits.float()
+    return uncond + cfg_scale * (cond - uncond)
+
+
+def top_k_mask(logits: torch.Tensor, top_k: int) -> torch.Tensor:
+    """Set every logit strictly below the k-th largest to -inf (ties at the k-th value survive)."""
+    if top_k <= 0 or top_k >= logits.shape[-1]:
+        return logits
+    kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
+    return logits.masked_fill(logits < kth, float("-inf"))
+
+
+def top_p_mask(logits: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Drop tokens whose sorted cumulative softmax exceeds ``top_p``, keeping the first crossing one."""
+    if top_p >= 1.0:
+        return logits
+    sorted_logits, sorted_idx = torch.sort(logits, dim=-1, descending=True, stable=True)
+    cumulative = torch.softmax(sorted_logits, dim=-1).cumsum(dim=-1)
+    remove_sorted = cumulative > top_p
+    # Shift right: a token is removed only if the mass *before* it already exceeds top_p.
+    remove_sorted[..., 1:] = remove_sorted[..., :-1].clone()
+    remove_sorted[..., 0] = False
+    remove = torch.zeros_like(remove_sorted).scatter(-1, sorted_idx, remove_sorted)
+    return logits.masked_fill(remove, float("-inf"))
+
+
+def process_logits(
+    cond_logits: torch.Tensor,
+    uncond_logits: torch.Tensor | None,
+    cfg_scale: float,
+    temperature: float,
+    top_k: int,
+    top_p: float,
+) -> torch.Tensor:
+    """Processed sampling distribution ``[..., V]`` float32 from raw logits ``[..., V]``."""
+    logits = cfg_combine(cond_logits, uncond_logits, cfg_scale)
+    logits = logits / max(float(temperature), MIN_TEMPERATURE)
+    logits = top_k_mask(logits, int(top_k))
+    logits = top_p_mask(logits, float(top_p))
+    return torch.softmax(logits, dim=-1, dtype=torch.float32)
+
+
+def process_with(params: SamplingParams, cond_logits: torch.Tensor, uncond_logits: torch.Tensor | None) -> torch.Tensor:
+    return process_logits(cond_logits, uncond_logits, params.cfg_scale, params.temperature, params.top_k, params.top_p)

@@ -1,0 +1,422 @@
+"""LlamaGen-style class-conditional GPT over discrete image tokens, with a ragged KV cache.
+
+Module and parameter names follow LlamaGen's ``autoregressive/models/gpt.py``
+(``tok_embeddings``, ``cls_embedding.embedding_table``, ``layers.{i}.attention.wqkv/wo``,
+``layers.{i}.feed_forward.w1/w2/w3``, ``attention_norm``, ``ffn_norm``, ``norm``,
+``output``) so a LlamaGen c2i checkpoint can be mapped onto it later.
+
+Sequence layout (c2i, one prefix token): sequence position 0 holds the class
+embedding (row ``num_classes`` of the table is the CFG null class); position
+``p >= 1`` holds image token ``p - 1``. The logits at position ``p`` predict
+image token ``p``. RoPE is 2-D over the image grid; the prefix position gets
+LlamaGen's all-zero cos/sin rows by default (``prefix_rope="zeros"``, what the
+released checkpoints were trained with) or the identity rotation
+(``prefix_rope="identity"``).
+
+The cache is static: ``[rows, max_len]`` slots per layer, slot = sequence
+position. Each row has its own length; a call writes K/V at the rows' own
+positions and each query attends to slots ``<= its position``, so slots left
+stale by a rejected draft are invisible once a later call rewrites them.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specray.models.pair import ModelPair
+
+PREFIX_ROPE_MODES = ("zeros", "identity")
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    vocab_size: int = 17
+    num_classes: int = 10
+    grid_size: int = 8  # image is grid_size x grid_size tokens
+    dim: int = 128
+    n_layer: int = 4
+    n_head: int = 4
+    multiple_of: int = 32  # FFN hidden size rounding (LlamaGen uses 256 for its large models)
+    norm_eps: float = 1e-5
+    rope_base: float = 10000.0
+    class_dropout_prob: float = 0.1
+    resid_dropout_p: float = 0.0
+    ffn_dropout_p: float = 0.0
+    token_dropout_p: float = 0.0
+    prefix_rope: str = "zeros"
+    cls_token_num: int = 1
+
+    def __post_init__(self) -> None:
+        if self.dim % self.n_head:
+            raise ValueError(f"dim={self.dim} must be divisible by n_head={self.n_head}")
+        if (self.dim // self.n_head) % 4:
+            raise ValueError(f"head_dim={self.dim // self.n_head} must be divisible by 4 for 2-D RoPE")
+        if self.prefix_rope not in PREFIX_ROPE_MODES:
+            raise ValueError(f"prefix_rope={self.prefix_rope!r}; allowed: {', '.join(PREFIX_ROPE_MODES)}")
+        if self.cls_token_num != 1:
+            raise ValueError("cls_token_num must be 1 (class-conditional prefix)")
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_head
+
+    @property
+    def num_image_tokens(self) -> int:
+        return self.grid_size * self.grid_size
+
+    @property
+    def ffn_hidden(self) -> int:
+        hidden = int(2 * (4 * self.dim) / 3)
+        return self.multiple_of * math.ceil(hidden / self.multiple_of)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "GPTConfig":
+        allowed = set(cls.__dataclass_fields__)
+        unknown = set(d) - allowed
+        if unknown:
+            raise ValueError(f"unknown GPTConfig fields {sorted(unknown)}; allowed: {sorted(allowed)}")
+        return cls(**d)
+
+
+def flops_per_token(config: GPTConfig, context: int | None = None) -> int:
+    """Forward multiply-add FLOPs (2 per MAC) for one token, weights plus attention over ``context`` keys."""
+    context = config.num_image_tokens // 2 + 1 if context is None else context
+    per_layer = 2 * (config.dim * 3 * config.dim + config.dim * config.dim + 3 * config.dim * config.ffn_hidden)
+    attention = 2 * 2 * config.dim * context  # scores + weighted sum
+    head = 2 * config.dim * config.vocab_size
+    return config.n_layer * (per_layer + attention) + head
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        out = xf * torch.rsqrt(torch.mean(xf * xf, dim=-1, keepdim=True) + self.eps)
+        return out.type_as(x) * self.weight
+
+
+class LabelEmbedding(nn.Module):
+    """Class embedding with an extra CFG null row (index ``num_classes``) and label dropout."""
+
+    def __init__(self, num_classes: int, dim: int, dropout_prob: float) -> None:
+        super().__init__()
+        self.num_classes = num_classes
+        self.dropout_prob = dropout_prob
+        self.embedding_table = nn.Embedding(num_classes + 1, dim)
+
+    def forward(self, labels: torch.Tensor, drop_mask: torch.Tensor | None = None) -> torch.Tensor:
+        if drop_mask is not None:
+            labels = torch.where(drop_mask, torch.full_like(labels, self.num_classes), labels)
+        return self.embedding_table(labels)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.n_head = config.n_head
+        self.head_dim = config.head_dim
+        self.wqkv = nn.Linear(config.dim, 3 * config.dim, bias=False)
+        self.wo = nn.Linear(config.dim, config.dim, bias=False)
+        self.resid_dropout = nn.Dropout(config.resid_dropout_p)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: torch.Tensor,
+        mask: torch.Tensor,
+        kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None,
+    ) -> torch.Tensor:
+        """``x [R, n, D]``; ``rope [R, n, hd/2, 2]``; ``mask [R, 1, n, S]`` bool (True = may attend).
+
+        ``kv`` = (k_cache, v_cache, rows, positions): cache tensors ``[R_all, S, H, hd]``
+        that are written at ``[rows, positions]`` and then read for ``rows``.
+        Without it, attention runs over the ``n`` given positions only.
+        """
+        r, n, _ = x.shape
+        q, k, v = self.wqkv(x).split(x.shape[-1], dim=-1)
+        q = q.view(r, n, self.n_head, self.head_dim)
+        k = k.view(r, n, self.n_head, self.head_dim)
+        v = v.view(r, n, self.n_head, self.head_dim)
+        q = apply_rotary(q, rope)
+        k = apply_rotary(k, rope)
+        if kv is not None:
+            k_cache, v_cache, rows, positions = kv
+            k_cache[rows[:, None], positions] = k.to(k_cache.dtype)
+            v_cache[rows[:, None], positions] = v.to(v_cache.dtype)
+            k = k_cache[rows]
+            v = v_cache[rows]
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask
+        )
+        out = out.transpose(1, 2).reshape(r, n, -1)
+        return self.resid_dropout(self.wo(out))
+
+
+class FeedForward(nn.Module):
+    """SwiGLU: ``w2(silu(w1 x) * w3 x)``."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(config.dim, config.ffn_hidden, bias=False)
+        self.w3 = nn.Linear(config.dim, config.ffn_hidden, bias=False)
+        self.w2 = nn.Linear(config.ffn_hidden, config.dim, bias=False)
+        self.ffn_dropout = nn.Dropout(config.ffn_dropout_p)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.ffn_dropout(self.w2(F.silu(self.w1(x)) * self.w3(x)))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.attention = Attention(config)
+        self.feed_forward = FeedForward(config)
+        self.attention_norm = RMSNorm(config.dim, config.norm_eps)
+        self.ffn_norm = RMSNorm(config.dim, config.norm_eps)
+
+    def forward(self, x, rope, mask, kv=None):  # type: ignore[no-untyped-def]
+        h = x + self.attention(self.attention_norm(x), rope, mask, kv)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+def precompute_rope_2d(config: GPTConfig) -> torch.Tensor:
+    """``[cls_token_num + grid^2, head_dim/2, 2]`` (cos, sin): first half of each head rotates by row, second by column."""
+    half_dim = config.head_dim // 2
+    freqs = 1.0 / (config.rope_base ** (torch.arange(0, half_dim, 2)[: half_dim // 2].float() / half_dim))
+    t = torch.arange(config.grid_size, dtype=torch.float32)
+    freqs = torch.outer(t, freqs)  # [grid, half_dim/2]
+    g = config.grid_size
+    freqs_grid = torch.cat(
+        [freqs[:, None, :].expand(-1, g, -1), freqs[None, :, :].expand(g, -1, -1)], dim=-1
+    )  # [grid(row), grid(col), head_dim/2]
+    grid_cache = torch.stack([torch.cos(freqs_grid), torch.sin(freqs_grid)], dim=-1).flatten(0, 1)
+    prefix = torch.zeros(config.cls_token_num, config.head_dim // 2, 2)
+    if config.prefix_rope == "identity":
+        prefix[..., 0] = 1.0
+    return torch.cat([prefix, grid_cache], dim=0)
+
+
+def apply_rotary(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+    """Rotate adjacent pairs of ``x [R, n, H, hd]`` by ``rope [R, n, hd/2, 2]`` (LlamaGen's convention)."""
+    xs = x.float().reshape(*x.shape[:-1], -1, 2)
+    rope = rope[:, :, None]  # broadcast over heads
+    out = torch.stack(
+        [
+            xs[..., 0] * rope[..., 0] - xs[..., 1] * rope[..., 1],
+            xs[..., 1] * rope[..., 0] + xs[..., 0] * rope[..., 1],
+        ],
+        dim=-1,
+    )
+    return out.flatten(3).type_as(x)
+
+
+@dataclass
+class KVCache:
+    """Static per-layer K/V slots ``[rows, max_len, H, hd]`` and each row's valid length."""
+
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+    lengths: torch.Tensor  # int64 [rows]: slots 0..length-1 hold committed K/V
+
+    @property
+    def rows(self) -> int:
+        return int(self.lengths.shape[0])
+
+    @property
+    def max_len(self) -> int:
+        return int(self.keys[0].shape[1])
+
+    def crop(self, lengths: torch.Tensor, rows: torch.Tensor | None = None) -> None:
+        """Declare only the first ``lengths`` slots of ``rows`` valid (later slots become stale)."""
+        if rows is None:
+            self.lengths.copy_(lengths)
+        else:
+            self.lengths[rows] = lengths.to(self.lengths.dtype)
+
+
+class DiscreteGPT(nn.Module):
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
+        self.cls_embedding = LabelEmbedding(config.num_classes, config.dim, config.class_dropout_prob)
+        self.tok_dropout = nn.Dropout(config.token_dropout_p)
+        self.layers = nn.ModuleList(TransformerBlock(config) for _ in range(config.n_layer))
+        self.norm = RMSNorm(config.dim, config.norm_eps)
+        self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
+        self.register_buffer("rope_table", precompute_rope_2d(config), persistent=False)
+        self.apply(self._init_weights)
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    @property
+    def null_class(self) -> int:
+        return self.config.num_classes
+
+    @property
+    def max_seq_len(self) -> int:
+        """Sequence positions that are ever fed: the prefix plus image tokens 0..N-2."""
+        return self.config.cls_token_num + self.config.num_image_tokens - 1
+
+    # ---- embedding ---------------------------------------------------------------------
+
+    def _embed(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Position 0 holds a class label (null = num_classes), later positions image tokens."""
+        is_prefix = positions < self.config.cls_token_num
+        cls = self.cls_embedding(torch.where(is_prefix, tokens, 0).clamp(0, self.config.num_classes))
+        tok = self.tok_embeddings(torch.where(is_prefix, 0, tokens).clamp(0, self.config.vocab_size - 1))
+        return torch.where(is_prefix[..., None], cls, tok)
+
+    def _rope(self, positions: torch.Tensor) -> torch.Tensor:
+        # Positions past the last fed one can occur for slots whose outputs are discarded
+        # (padding of a row's final round); clamp them to a valid table row.
+        return self.rope_table[positions.clamp(0, self.rope_table.shape[0] - 1)]
+
+    # ---- training / full-sequence forward ----------------------------------------------
+
+    def forward(
+        self, labels: torch.Tensor, image_tokens: torch.Tensor, drop_class: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Teacher-forced logits ``[B, N, V]`` float32: row ``i`` predicts image token ``i``.
+
+        ``labels [B]``; ``image_tokens [B, N]`` (only tokens ``0..N-2`` are fed);
+        ``drop_class [B]`` bool replaces the class with the null class (CFG training).
+        """
+        b, n = image_tokens.shape
+        cls = self.cls_embedding(labels, drop_class)[:, None]
+        tok = self.tok_embeddings(image_tokens[:, : n - 1])
+        h = self.tok_dropout(torch.cat([cls, tok], dim=1))
+        positions = torch.arange(n, device=h.device).expand(b, n)
+        rope = self._rope(positions)
+        mask = torch.ones(n, n, dtype=torch.bool, device=h.device).tril()[None, None]
+        for layer in self.layers:
+            h = layer(h, rope, mask)
+        return self.output(self.norm(h)).float()
+
+    # ---- cached incremental forward ----------------------------------------------------
+
+    def new_cache(self, batch_rows: int, max_len: int | None = None) -> KVCache:
+        """Empty cache for ``batch_rows`` rows (both CFG halves count as rows)."""
+        max_len = self.max_seq_len if max_len is None else max_len
+        p = self.output.weight
+        shape = (batch_rows, max_len, self.config.n_head, self.config.head_dim)
+        return KVCache(
+            keys=[torch.zeros(shape, dtype=p.dtype, device=p.device) for _ in self.layers],
+            values=[torch.zeros(shape, dtype=p.dtype, device=p.device) for _ in self.layers],
+            lengths=torch.zeros(batch_rows, dtype=torch.int64, device=p.device),
+        )
+
+    def forward_step(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        cache: KVCache,
+        rows: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Logits ``[r, n, V]`` float32 for ``tokens [r, n]`` at sequence ``positions [r, n]``.
+
+        Writes their K/V into cache rows ``rows`` (default: all rows, ``r`` must equal
+        ``cache.rows``) at slots ``positions`` and sets those rows' length to
+        ``last position + 1``. A token at position 0 is a class label.
+        Positions of a row must be consecutive and start at or before its cache length.
+        """
+        if rows is None:
+            rows = torch.arange(tokens.shape[0], device=tokens.device)
+        if positions.shape != tokens.shape:
+            raise ValueError(f"positions shape {tuple(positions.shape)} != tokens shape {tuple(tokens.shape)}")
+        if int(positions.max()) >= cache.max_len:
+            raise ValueError(f"position {int(positions.max())} exceeds cache max_len={cache.max_len}")
+        h = self._embed(tokens, positions)
+        rope = self._rope(positions)
+        slots = torch.arange(cache.max_len, device=tokens.device)
+        mask = (slots[None, None, :] <= positions[:, :, None])[:, None]  # [r, 1, n, S]
+        for i, layer in enumerate(self.layers):
+            h = layer(h, rope, mask, (cache.keys[i], cache.values[i], rows, positions))
+        cache.lengths[rows] = positions[:, -1] + 1
+        return self.output(self.norm(h)).float()
+
+    def prefill(self, labels: torch.Tensor, cache: KVCache, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Write the class prefix and return the logits ``[r, V]`` of image token 0."""
+        tokens = labels.to(torch.int64)[:, None]
+        return self.forward_step(tokens, torch.zeros_like(tokens), cache, rows)[:, 0]
+
+
+# ---- loading ------------------------------------------------------------------------------
+
+
+def load_model(name_or_path: str | Path, device: torch.device | str = "cpu") -> DiscreteGPT:
+    """A preset by name, or a ``.safetensors`` file whose metadata holds ``config`` (JSON)."""
+    import json
+
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    path = Path(name_or_path)
+    if path.suffix == ".safetensors" and path.exists():
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+        if "config" not in meta:
+            raise ValueError(f"{path}: safetensors metadata lacks 'config'")
+        config = GPTConfig.from_dict(json.loads(meta["config"]))
+    else:
+        from specray.models.presets import get_preset
+
+        preset = get_preset(str(name_or_path))
+        if preset.family != "discrete_ar":
+            raise ValueError(f"preset {preset.name!r} is family {preset.family!r}, expected 'discrete_ar'")
+        config = GPTConfig.from_dict(preset.config)
+        path = preset.weights_path
+        if not path.exists():
+            raise FileNotFoundError(f"weights of preset {preset.name!r} missing at {path}; run `specray train {preset.name}`")
+    model = DiscreteGPT(config)
+    state = {k: v.float() for k, v in load_file(str(path)).items()}
+    model.load_state_dict(state)
+    return model.to(device).eval()
+
+
+def load_pair(target: str, draft: str | None, device: torch.device | str) -> ModelPair:
+    """Target and draft GPTs on ``device`` plus the info the discrete loop needs."""
+    device = torch.device(device)
+    target_model = load_model(target, device)
+    draft_model = load_model(draft, device) if draft is not None else None
+    tc = target_model.config
+    if draft_model is not None:
+        dc = draft_model.config
+        for field in ("vocab_size", "num_classes", "grid_size"):
+            if getattr(dc, field) != getattr(tc, field):
+                raise ValueError(
+                    f"draft {draft!r} {field}={getattr(dc, field)} differs from target {target!r} {field}={getattr(tc, field)}"
+                )
+    info = {
+        "image_shape": (tc.grid_size, tc.grid_size),
+        "vocab_size": tc.vocab_size,
+        "num_classes": tc.num_classes,
+        "num_tokens": tc.num_image_tokens,
+        "token_embeddings": target_model.tok_embeddings.weight.detach(),
+        "target_config": asdict(tc),
+        "draft_config": asdict(draft_model.config) if draft_model is not None else None,
+        "tokenizer": "identity_digits",
+    }
+    return ModelPair(
+        family="discrete_ar",
+        target_name=str(target),
+        draft_name=None if draft is None else str(draft),
+        target=target_model,
+        draft=draft_model,
+        device=device,
+        info=info,
+    )

@@ -1,0 +1,252 @@
+"""The discrete GPT, its ragged KV cache, the logits processing, the digits data and training."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from specray.methods.discrete_loop import GuidedModel, sequence_tokens
+from specray.methods.processing import SamplingParams, process_logits, top_k_mask, top_p_mask
+from specray.models.digits import load_digits_split, to_uint8_pixels
+from specray.models.discrete_ar import DiscreteGPT, GPTConfig, flops_per_token, load_model, load_pair
+from specray.models.discrete_train import TrainConfig, heldout_nll, save_model, train_model
+from specray.models.presets import get_preset
+from specray.models.tokenizers import to_images
+
+torch.set_num_threads(1)
+TOL = 1e-5
+
+
+def tiny_model(seed: int = 0, prefix_rope: str = "zeros") -> DiscreteGPT:
+    torch.manual_seed(seed)
+    model = DiscreteGPT(GPTConfig(dim=32, n_layer=2, n_head=2, prefix_rope=prefix_rope)).eval()
+    # Larger weights than the init so differences would show in the logits.
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.2 * torch.randn_like(p))
+    return model
+
+
+def random_tokens(batch: int, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 10, (batch,), generator=g), torch.randint(0, 17, (batch, 64), generator=g)
+
+
+# ---- data ----------------------------------------------------------------------------------------
+
+
+def test_digits_split_is_fixed_disjoint_and_complete():
+    train_x, train_y = load_digits_split("train")
+    held_x, held_y = load_digits_split("heldout")
+    assert train_x.shape == (1617, 8, 8) and held_x.shape == (180, 8, 8)
+    assert train_x.dtype == torch.uint8 and int(train_x.max()) == 16 and train_y.dtype == torch.int64
+    again_x, again_y = load_digits_split("train")
+    assert torch.equal(train_x, again_x) and torch.equal(train_y, again_y)
+    assert sorted(torch.cat([train_y, held_y]).bincount().tolist()) == sorted(
+        torch.as_tensor(__import__("sklearn.datasets").datasets.load_digits().target).bincount().tolist()
+    )
+    with pytest.raises(ValueError, match="split"):
+        load_digits_split("test")  # type: ignore[arg-type]
+
+
+def test_pixel_mapping_and_identity_tokenizer():
+    levels = torch.arange(17)
+    expected = torch.tensor([round(v * 255 / 16) for v in range(17)], dtype=torch.uint8)
+    assert torch.equal(to_uint8_pixels(levels), expected)
+    images = to_images(levels[:16].repeat(4)[None].expand(3, 64))
+    assert images.shape == (3, 8, 8) and images.dtype == torch.uint8
+    assert int(images[0, 0, 0]) == 0 and int(images[0, 1, 7]) == 239  # level 15
+
+
+# ---- model and cache -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("prefix_rope", ["zeros", "identity"])
+def test_incremental_cache_matches_full_forward(prefix_rope):
+    model = tiny_model(prefix_rope=prefix_rope)
+    labels, tokens = random_tokens(3)
+    with torch.no_grad():
+        full = model(labels, tokens)  # [3, 64, V]
+        for chunk in (1, 5):
+            cache = model.new_cache(3)
+            pieces = [model.prefill(labels, cache)[:, None]]
+            pos = 1
+            while pos < 64:
+                positions = torch.arange(pos, min(pos + chunk, 64)).expand(3, -1)
+                fed = sequence_tokens(labels, tokens, positions)
+                pieces.append(model.forward_step(fed, positions, cache))
+                pos += positions.shape[1]
+            incremental = torch.cat(pieces, dim=1)
+            assert incremental.dtype == torch.float32
+            assert (incremental - full).abs().max().item() < TOL
+
+
+def test_layout_mirrors_llamagen_keys():
+    keys = set(tiny_model().state_dict())
+    for key in (
+        "tok_embeddings.weight", "cls_embedding.embedding_table.weight", "layers.0.attention.wqkv.weight",
+        "layers.0.attention.wo.weight", "layers.1.feed_forward.w1.weight", "layers.1.feed_forward.w2.weight",
+        "layers.1.feed_forward.w3.weight", "layers.0.attention_norm.weight", "layers.0.ffn_norm.weight",
+        "norm.weight", "output.weight",
+    ):
+        assert key in keys
+    assert tiny_model().cls_embedding.embedding_table.weight.shape[0] == 11  # 10 classes + CFG null class
+
+
+def test_ragged_rows_give_the_same_distributions_as_each_row_alone():
+    model = tiny_model()
+    labels, tokens = random_tokens(3, seed=2)
+    sampling = SamplingParams(cfg_scale=2.0, temperature=0.9, top_k=12, top_p=0.95)
+    lengths = [1, 9, 30]  # sequence positions already committed per row
+    batched = GuidedModel(model, 3, sampling, 70)
+    idx = torch.arange(3)
+    # Fill each row's prefix in ragged pieces, with a stale draft written past the prefix.
+    for b, length in enumerate(lengths):
+        row = torch.tensor([b])
+        positions = torch.arange(0, length)[None]
+        batched.probs(row, sequence_tokens(labels[row], tokens[row], positions), positions)
+        stale = torch.arange(length, length + 4)[None]
+        batched.probs(row, torch.randint(0, 17, (1, 4)), stale)
+        batched.crop(row, torch.tensor([length]))
+    # One batched call: every row gets 4 tokens at its own positions.
+    positions = torch.stack([torch.arange(n, n + 4) for n in lengths])
+    together = batched.probs(idx, sequence_tokens(labels, tokens, positions), positions)
+    for b, length in enumerate(lengths):
+        alone = GuidedModel(model, 1, sampling, 70)
+        row = torch.tensor([b])
+        pos = torch.arange(0, length + 4)[None]
+        ref = alone.probs(torch.tensor([0]), sequence_tokens(labels[row], tokens[row], pos), pos)[:, -4:]
+        assert (together[b] - ref[0]).abs().max().item() < TOL
+
+
+def test_verify_forward_equals_incremental_sampler_distributions():
+    """Spec §9.14: P_i from one verify call on [t, d_1..d_g] equals the incremental sampler's P_i."""
+    model = tiny_model()
+    labels, tokens = random_tokens(2, seed=3)
+    sampling = SamplingParams(cfg_scale=1.5, temperature=1.0, top_k=0, top_p=1.0)
+    n, gamma = 20, 4  # 20 committed image tokens; verify positions n .. n+gamma
+    idx = torch.arange(2)
+    incremental = GuidedModel(model, 2, sampling, 70)
+    verify_stream = GuidedModel(model, 2, sampling, 70)
+    prefix = torch.arange(0, n).expand(2, -1)
+    for stream in (incremental, verify_stream):
+        stream.probs(idx, sequence_tokens(labels, tokens, prefix), prefix)
+    steps = [incremental.probs(idx, sequence_tokens(labels, tokens, torch.full((2, 1), p)), torch.full((2, 1), p))
+             for p in range(n, n + gamma + 1)]
+    incremental_P = torch.cat(steps, dim=1)
+    block = torch.arange(n, n + gamma + 1).expand(2, -1)
+    verify_P = verify_stream.probs(idx, sequence_tokens(labels, tokens, block), block)
+    assert verify_P.dtype == torch.float32
+    assert (verify_P - incremental_P).abs().max().item() < TOL
+
+
+# ---- processing ---------------------------------------------------------------------------------
+
+
+def reference_processing(cond, uncond, s, temperature, top_k, top_p):
+    """Row-by-row restatement of LlamaGen's sample(): CFG on logits, /T, top-k, top-p, softmax."""
+    out = []
+    for lc, lu in zip(cond.tolist(), uncond.tolist()):
+        logits = [u + s * (c - u) for c, u in zip(lc, lu)]
+        logits = [x / max(temperature, 1e-5) for x in logits]
+        if 0 < top_k < len(logits):
+            kth = sorted(logits, reverse=True)[top_k - 1]
+            logits = [x if x >= kth else float("-inf") for x in logits]
+        if top_p < 1.0:
+            order = sorted(range(len(logits)), key=lambda i: -logits[i])
+            probs = torch.softmax(torch.tensor([logits[i] for i in order]), 0).tolist()
+            cum = 0.0
+            for rank, i in enumerate(order):
+                if cum > top_p and rank > 0:
+                    logits[i] = float("-inf")
+                cum += probs[rank]
+        out.append(torch.softmax(torch.tensor(logits, dtype=torch.float32), 0))
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("s,temperature,top_k,top_p", [(1.0, 1.0, 0, 1.0), (1.5, 0.7, 5, 1.0), (3.0, 1.3, 0, 0.8),
+                                                        (2.0, 1.0, 8, 0.6)])
+def test_processing_matches_reference(s, temperature, top_k, top_p):
+    g = torch.Generator().manual_seed(4)
+    cond, uncond = torch.randn(6, 17, generator=g) * 2, torch.randn(6, 17, generator=g) * 2
+    got = process_logits(cond, uncond, s, temperature, top_k, top_p)
+    assert got.dtype == torch.float32
+    assert (got - reference_processing(cond, uncond, s, temperature, top_k, top_p)).abs().max().item() < 1e-6
+    assert torch.allclose(got.sum(-1), torch.ones(6))
+
+
+def test_cfg_is_on_logits_not_log_probs():
+    cond = torch.tensor([[0.0, 1.0, 2.0]])
+    uncond = torch.tensor([[5.0, 1.0, 0.0]])
+    expected = torch.softmax(uncond + 2.0 * (cond - uncond), -1)
+    assert torch.allclose(process_logits(cond, uncond, 2.0, 1.0, 0, 1.0), expected)
+
+
+def test_top_k_keeps_ties_and_top_p_keeps_first_crossing_token():
+    logits = torch.tensor([[3.0, 1.0, 3.0, 2.0, 2.0, 0.0]])
+    kept = torch.isfinite(top_k_mask(logits, 3))[0].tolist()
+    assert kept == [True, False, True, True, True, False]  # the 3rd largest value (2.0) is tied
+    probs = torch.tensor([[0.5, 0.3, 0.15, 0.05]])
+    kept_p = torch.isfinite(top_p_mask(probs.log(), 0.6))[0].tolist()
+    assert kept_p == [True, True, False, False]  # 0.5 < 0.6, 0.8 crosses and is kept
+    near_zero = process_logits(torch.tensor([[1.0, 2.0, 0.5]]), None, 1.0, 0.0, 0, 1.0)
+    assert near_zero.argmax().item() == 1 and near_zero.max().item() > 0.999999
+
+
+def test_sampling_params_errors_name_the_field():
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams(top_p=0.0)
+    with pytest.raises(ValueError, match="top_k"):
+        SamplingParams(top_k=-1)
+    with pytest.raises(ValueError, match="uncond_logits"):
+        process_logits(torch.zeros(1, 3), None, 2.0, 1.0, 0, 1.0)
+
+
+# ---- training, storage, presets -----------------------------------------------------------------
+
+
+def test_training_smoke_is_deterministic_and_learns(tmp_path):
+    config = GPTConfig(dim=16, n_layer=1, n_head=2)
+    train = TrainConfig(steps=12, batch_size=16, lr=1e-2, warmup_steps=2)
+    model_a, record_a = train_model(config, train, seed=3)
+    model_b, _ = train_model(config, train, seed=3)
+    for (name, a), (_, b) in zip(model_a.state_dict().items(), model_b.state_dict().items()):
+        assert torch.equal(a, b), name
+    untrained_nll = heldout_nll(DiscreteGPT(config))
+    assert heldout_nll(model_a) < untrained_nll - 0.1  # uniform over 17 levels is ln 17 = 2.83
+    path = save_model(model_a, tmp_path / "tiny.safetensors", {"final_train_loss": str(record_a["final_train_loss"])})
+    loaded = load_model(path)
+    labels, tokens = random_tokens(2)
+    with torch.no_grad():
+        diff = (loaded(labels, tokens) - model_a(labels, tokens)).abs().max().item()
+    assert diff < 5e-2  # stored in fp16
+
+
+def test_presets_cost_ratio_and_stored_record():
+    target = GPTConfig.from_dict(get_preset("digits-gpt-target").config)
+    draft = GPTConfig.from_dict(get_preset("digits-gpt-draft").config)
+    assert flops_per_token(target) >= 8 * flops_per_token(draft)
+    from safetensors import safe_open
+
+    for name in ("digits-gpt-target", "digits-gpt-draft"):
+        path = get_preset(name).weights_path
+        if not path.exists():
+            pytest.skip(f"{path} not trained")
+        assert path.stat().st_size < 4_000_000
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata()
+        assert json.loads(meta["config"]) and float(meta["heldout_nll_nats_per_token"]) < 2.0
+        assert float(meta["final_train_loss"]) < 2.0 and meta["seed"] == "0"
+
+
+def test_load_pair_info():
+    if not get_preset("digits-gpt-target").weights_path.exists():
+        pytest.skip("preset weights not trained")
+    pair = load_pair("digits-gpt-target", "digits-gpt-draft", "cpu")
+    assert pair.family == "discrete_ar" and not pair.target.training
+    assert pair.info["image_shape"] == (8, 8) and pair.info["vocab_size"] == 17 and pair.info["num_classes"] == 10
+    assert torch.equal(pair.info["token_embeddings"], pair.target.tok_embeddings.weight)
+    with pytest.raises(KeyError, match="unknown preset"):
+        load_pair("no-such-preset", None, "cpu")
