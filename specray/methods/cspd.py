@@ -1,0 +1,195 @@
+"""Continuous Speculative Decoding (CSpD): acceptance ratio and residual sampler.
+
+Pure functions over the Gaussian parameters a head chain leaves behind
+(``specray.methods.diffusion_head.ChainOutput``), float64 throughout. The
+spec is ``shared/spec/cspd.md``; section numbers below refer to it.
+
+Acceptance ratio (§2.3, §2.5, §6.4), in log space::
+
+    log r = log C + log p̃_1(x0) − log q̃_1(x0)
+    log p̃_1(x) = −Σ_k log s^p_k − ½ Σ_k ((x_k − μ^p_k)/(κ s^p_k))²     (s = τ·σ_1)
+
+with the trajectory factor ``log C`` chosen by ``sigma_orientation``:
+
+* ``paper``: log Σ = Σ_{t≥2} Σ_k (log σ^q − log σ^p)  = p(Y_p)/q(Y_q) (§2.3);
+* ``code``:  log F = −log Σ, the official code's inverted factor (§2.5);
+* ``none``:  0 (exact mode, §5.6).
+
+κ ("inner temperature", 42 in the official code) divides the standard
+deviations in the exponent only. With κ = 1 and ``none`` this is the true
+density ratio p_1(x0)/q_1(x0) of the final-step Gaussians.
+
+Residual (§5.2-5.3): proposals x ~ N(μ^p_1, s^p²) kept with probability
+max(0, 1 − q_1(x)/(C·p_1(x))) using the true (κ-free) densities; exact for the
+residual ∝ max(0, C·p_1 − q_1) when tries are unlimited. Tries are capped;
+a token that hits the cap falls back to μ^p_1 and is counted, never left at zero.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from specray import rng
+
+SIGMA_ORIENTATIONS = ("paper", "code", "none")
+
+# draw(try_index, active_rows) -> (standard normals [len(active), d], uniforms [len(active)])
+DrawFn = Callable[[int, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
+def log_normal_diag(x: torch.Tensor, mu: torch.Tensor, s: torch.Tensor, kappa: float = 1.0) -> torch.Tensor:
+    """log N(x; μ, diag s²) over the last dim, float64; κ ≠ 1 scales s in the exponent only."""
+    x, mu, s = (t.to(torch.float64) for t in (x, mu, s))
+    d = x.shape[-1]
+    z = (x - mu) / (kappa * s)
+    return -0.5 * d * math.log(2 * math.pi) - torch.log(s).sum(-1) - 0.5 * (z * z).sum(-1)
+
+
+def log_trajectory_factor(p_slog: torch.Tensor, q_slog: torch.Tensor, orientation: str) -> torch.Tensor:
+    """log C from the per-token sums Σ_{t≥2} Σ_k log σ_{t,k} of target (p) and draft (q)."""
+    p_slog, q_slog = p_slog.to(torch.float64), q_slog.to(torch.float64)
+    if orientation == "paper":
+        return q_slog - p_slog
+    if orientation == "code":
+        return p_slog - q_slog
+    if orientation == "none":
+        return torch.zeros_like(p_slog)
+    raise ValueError(f"sigma_orientation must be one of {SIGMA_ORIENTATIONS}, got {orientation!r}")
+
+
+@dataclass
+class LogRatio:
+    """log r and its two components (logged for calibration, §9.2)."""
+
+    log_ratio: torch.Tensor  # float64 [n]
+    log_factor: torch.Tensor  # log C
+    final_term: torch.Tensor  # log p̃_1(x0) − log q̃_1(x0)
+
+
+def log_acceptance_ratio(
+    x0: torch.Tensor,
+    p_mu1: torch.Tensor,
+    p_s1: torch.Tensor,
+    p_slog: torch.Tensor,
+    q_mu1: torch.Tensor,
+    q_s1: torch.Tensor,
+    q_slog: torch.Tensor,
+    sigma_orientation: str = "paper",
+    kappa: float = 1.0,
+) -> LogRatio:
+    """The CSpD acceptance log-ratio of drafted tokens ``x0 [n, d]`` (§6.4 ``log_ratio``)."""
+    if not kappa > 0:
+        raise ValueError(f"kappa must be > 0, got {kappa}")
+    log_factor = log_trajectory_factor(p_slog, q_slog, sigma_orientation)
+    final = log_normal_diag(x0, p_mu1, p_s1, kappa) - log_normal_diag(x0, q_mu1, q_s1, kappa)
+    return LogRatio(log_ratio=log_factor + final, log_factor=log_factor, final_term=final)
+
+
+def accept(log_ratio: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Accept iff log u < log r (≡ u < min(1, r)); u in [0, 1)."""
+    return torch.log(u.to(torch.float64)) < log_ratio
+
+
+@dataclass
+class ResidualResult:
+    x: torch.Tensor  # [n, d]
+    tries: torch.Tensor  # int64 [n]: proposals drawn (= cap for cap hits)
+    cap_hit: torch.Tensor  # bool [n]: never kept within max_tries; x fell back to μ^p_1
+
+
+def residual_keep_probability(
+    x: torch.Tensor, p_mu1: torch.Tensor, p_s1: torch.Tensor, q_mu1: torch.Tensor, q_s1: torch.Tensor,
+    log_factor: torch.Tensor,
+) -> torch.Tensor:
+    """max(0, 1 − q_1(x) / (C·p_1(x))) with true densities (no κ), float64."""
+    log_q_over_cp = log_normal_diag(x, q_mu1, q_s1) - log_normal_diag(x, p_mu1, p_s1) - log_factor.to(torch.float64)
+    return (-torch.expm1(log_q_over_cp.clamp(max=0.0))).clamp(min=0.0)  # 1 − e^a for a ≤ 0, else 0
+
+
+def residual_sample(
+    p_mu1: torch.Tensor,
+    p_s1: torch.Tensor,
+    q_mu1: torch.Tensor,
+    q_s1: torch.Tensor,
+    log_factor: torch.Tensor,
+    draw: DrawFn,
+    max_tries: int | None = 100,
+) -> ResidualResult:
+    """Acceptance-rejection sampling of ∝ max(0, C·p_1 − q_1) with proposal p_1 (bound M = 1/Z)."""
+    n, d = p_mu1.shape
+    device = p_mu1.device
+    out = p_mu1.clone()
+    tries = torch.zeros(n, dtype=torch.int64, device=device)
+    done = torch.zeros(n, dtype=torch.bool, device=device)
+    attempt = 0
+    while not bool(done.all()) and (max_tries is None or attempt < max_tries):
+        active = torch.nonzero(~done).squeeze(-1)
+        normals, uniforms = draw(attempt, active)
+        x = p_mu1[active] + p_s1[active] * normals.to(p_mu1.dtype)
+        keep_prob = residual_keep_probability(
+            x, p_mu1[active], p_s1[active], q_mu1[active], q_s1[active], log_factor[active]
+        )
+        take = uniforms.to(torch.float64) < keep_prob
+        tries[active] += 1
+        out[active[take]] = x[take]
+        done[active[take]] = True
+        attempt += 1
+    return ResidualResult(x=out, tries=tries, cap_hit=~done)
+
+
+def keyed_draws(seed: int, sample_ids: torch.Tensor, positions: torch.Tensor, dim: int, stream: str = "residual") -> DrawFn:
+    """Residual proposals keyed by (seed, sample_id, stream, position, try): batch-independent."""
+
+    def draw(attempt: int, active: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        sids, pos = sample_ids[active], positions[active]
+        normals = rng.normal(seed, sids, stream, pos, attempt, shape=(dim,), dtype=torch.float64)
+        uniforms = rng.uniform(seed, sids, stream + "/keep", pos, attempt)
+        return normals, uniforms
+
+    return draw
+
+
+@dataclass
+class VerifyResult:
+    tokens: torch.Tensor  # [n, d] accepted draft or residual sample
+    accepted: torch.Tensor  # bool [n]
+    ratio: LogRatio
+    residual: ResidualResult  # over all n (entries of accepted tokens are unused)
+
+
+def verify_tokens(
+    x0: torch.Tensor,
+    p_mu1: torch.Tensor,
+    p_s1: torch.Tensor,
+    p_slog: torch.Tensor,
+    q_mu1: torch.Tensor,
+    q_s1: torch.Tensor,
+    q_slog: torch.Tensor,
+    accept_uniforms: torch.Tensor,
+    draw: DrawFn,
+    sigma_orientation: str,
+    kappa: float,
+    max_tries: int | None = 100,
+) -> VerifyResult:
+    """One independent decision per token; rejected tokens replaced by a residual sample."""
+    ratio = log_acceptance_ratio(x0, p_mu1, p_s1, p_slog, q_mu1, q_s1, q_slog, sigma_orientation, kappa)
+    acc = accept(ratio.log_ratio, accept_uniforms)
+    rej = torch.nonzero(~acc).squeeze(-1)
+
+    def draw_rejected(attempt: int, active: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return draw(attempt, rej[active])
+
+    res = residual_sample(p_mu1[rej], p_s1[rej], q_mu1[rej], q_s1[rej], ratio.log_factor[rej], draw_rejected, max_tries)
+    tokens = x0.clone()
+    tokens[rej] = res.x.to(tokens.dtype)
+    n = x0.shape[0]
+    full = ResidualResult(
+        x=tokens,
+        tries=torch.zeros(n, dtype=torch.int64, device=x0.device).index_put((rej,), res.tries),
+        cap_hit=torch.zeros(n, dtype=torch.bool, device=x0.device).index_put((rej,), res.cap_hit),
+    )
+    return VerifyResult(tokens=tokens, accepted=acc, ratio=ratio, residual=full)
