@@ -1,0 +1,139 @@
+"""The ``specray`` command line. Thin: each command parses, then calls one function."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+
+import click
+
+from specray.spec import SpecError
+
+EXIT_BAD_INPUT = 2
+
+
+def _fail(message: str, code: int = EXIT_BAD_INPUT) -> None:
+    click.echo(f"error: {message}", err=True)
+    sys.exit(code)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("-v", "--verbose", is_flag=True, help="Log at DEBUG level.")
+def specray(verbose: bool) -> None:
+    """Speculative decoding of image generators as Ray batch jobs."""
+    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+
+
+def _load(job_file: str | None, **overrides):
+    from specray.spec import builtin_demo_job, load_job
+
+    if job_file is None:
+        return builtin_demo_job(**overrides)
+    return load_job(job_file, **overrides)
+
+
+@specray.command()
+@click.argument("job_file", required=False, type=click.Path(dir_okay=False))
+@click.option("--output", help="Output directory or s3:// URI (overrides the spec).")
+@click.option("--num-cpus", type=int, help="CPUs of the local Ray instance to start (default: all).")
+@click.option("--actors", type=int, help="Number of generation actors (overrides the spec; default: what the "
+                                        "cluster offers).")
+@click.option("--per-class", type=int, help="Samples per class (overrides conditions.per_class).")
+@click.option("--batch-size", type=int, help="Batch size (overrides the spec).")
+@click.option("--ray-address", help="Ray cluster to join ('auto' = the one running here; default: RAY_ADDRESS "
+                                    "if set, as under `ray job submit`, else start a local Ray).")
+@click.option("--no-reduce", is_flag=True, help="Only generate; do not compute FID / speedup.")
+@click.option("--quiet", is_flag=True, help="No progress bar.")
+def run(job_file: str | None, output: str | None, num_cpus: int | None, actors: int | None,
+        per_class: int | None, batch_size: int | None, ray_address: str | None, no_reduce: bool, quiet: bool) -> None:
+    """Run JOB_FILE (YAML), or the built-in demo job when none is given; then reduce it."""
+    from specray.runtime.coordinator import ShardFailedError, run_job
+
+    try:
+        spec = _load(job_file, output=output, actors=actors, per_class=per_class, batch_size=batch_size)
+    except SpecError as exc:
+        _fail(str(exc))
+    if num_cpus is not None and num_cpus < 1:
+        _fail(f"--num-cpus: must be an integer >= 1, got {num_cpus}")
+    try:
+        result = run_job(spec, ray_address=ray_address, num_cpus=num_cpus, show_progress=not quiet)
+    except SpecError as exc:
+        _fail(str(exc))
+    except ShardFailedError as exc:
+        _fail(str(exc), code=1)
+    click.echo(f"wrote {result.manifest['num_rows']} rows to {result.output} "
+               f"({result.tasks_run} shard tasks run, {result.tasks_skipped} already committed, "
+               f"{result.retries} retries, {result.wall_time_s:.1f} s)")
+    if not no_reduce:
+        _reduce(result.output)
+
+
+@specray.command()
+@click.argument("job_file", type=click.Path(dir_okay=False))
+def validate(job_file: str) -> None:
+    """Check JOB_FILE without running it."""
+    from specray.runtime.plan import ShardPlan
+
+    try:
+        spec = _load(job_file)
+    except SpecError as exc:
+        _fail(str(exc))
+    plan = ShardPlan.of(spec)
+    click.echo(f"ok: {spec.job_id}: {plan.num_samples} samples x {len(spec.arms)} arms, {plan.num_shards} shards "
+               f"of {plan.shard_size}, fingerprint {spec.fingerprint()}")
+
+
+@specray.command()
+@click.argument("preset", default="all")
+@click.option("--out-dir", type=click.Path(file_okay=False), help="Where to write weights (default: the "
+                                                                  "package's presets/weights).")
+@click.option("--seed", type=int, default=0, show_default=True)
+def train(preset: str, out_dir: str | None, seed: int) -> None:
+    """Reproduce PRESET's weights (or every preset with 'all')."""
+    from specray.models.presets import WEIGHTS_DIR
+    from specray.models.presets import train as presets_train
+
+    names = presets_train.all_preset_names() if preset == "all" else [preset]
+    target_dir = Path(out_dir) if out_dir else WEIGHTS_DIR
+    for name in names:
+        try:
+            path = presets_train.train(name, target_dir, seed)
+        except KeyError as exc:
+            _fail(f"preset: {exc.args[0]}")
+        click.echo(f"trained {name} -> {path}")
+
+
+def _reduce(run_dir: str) -> dict:
+    from specray.runtime.store import MANIFEST_NAME, RunStore
+
+    if not RunStore(run_dir).is_committed(MANIFEST_NAME):
+        _fail(f"RUN: {run_dir!r} has no {MANIFEST_NAME}: not a finished specray run (rerun its job to finish it)")
+    try:
+        from specray.eval.reduce import reduce_run
+    except ImportError as exc:
+        _fail(f"the reducer is not available in this install ({exc})", code=1)
+    return reduce_run(run_dir, print_table=True)
+
+
+@specray.command()
+@click.argument("run_dir")
+def reduce(run_dir: str) -> None:
+    """Compute FID and speedup of a finished run and write RUN_DIR/report/."""
+    _reduce(run_dir)
+
+
+@specray.command()
+@click.argument("run_dir")
+def report(run_dir: str) -> None:
+    """Same as reduce: (re)build RUN_DIR/report/ and print the table."""
+    _reduce(run_dir)
+
+
+def main() -> None:
+    specray(prog_name="specray")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""Distribution: the coordinator, the generation actor, and the store."""

@@ -1,0 +1,156 @@
+"""The generation actor: holds model pairs on its device, runs arms on shards, commits Parquet.
+
+:class:`ShardWorker` is a plain class (usable in-process, e.g. by benchmarks);
+:data:`GenerationActor` is the same class as a Ray actor. The coordinator sets
+``num_cpus``/``num_gpus`` through ``.options(...)``; the worker places models on
+the GPU Ray assigned and touches CUDA nowhere else.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import time
+from typing import Any
+
+import numpy as np
+import ray
+import torch
+
+import specray
+from specray.methods.registry import family_loop
+from specray.methods.result import GenerationResult
+from specray.models.pair import ModelPair
+from specray.models.registry import load_pair
+from specray.runtime.plan import ShardPlan, ShardTask, shard_relpath
+from specray.runtime.store import CommittedFile, RunStore, encode_png, rows_to_table
+from specray.spec import ArmSpec, JobSpec
+
+log = logging.getLogger(__name__)
+
+
+def assigned_device() -> torch.device:
+    """``cuda:N`` for the GPU Ray assigned to this worker, else CPU.
+
+    Ray restricts ``CUDA_VISIBLE_DEVICES`` to the assigned GPUs, so the
+    assigned id's position in that list is its CUDA index here.
+    """
+    try:
+        gpu_ids = [str(g) for g in ray.get_gpu_ids()]
+    except Exception:  # not inside Ray
+        gpu_ids = []
+    if not gpu_ids:
+        return torch.device("cpu")
+    visible = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
+    index = visible.index(gpu_ids[0]) if gpu_ids[0] in visible else int(gpu_ids[0])
+    return torch.device(f"cuda:{index}")
+
+
+def is_fatal_device_error(exc: BaseException) -> bool:
+    """Errors after which this process's device state cannot be trusted (replace the actor)."""
+    if isinstance(exc, torch.OutOfMemoryError):
+        return True
+    text = f"{type(exc).__name__}: {exc}"
+    return any(marker in text for marker in ("CUDA error", "CUDA out of memory", "CUBLAS_STATUS", "cuDNN error",
+                                            "device-side assert"))
+
+
+class ShardWorker:
+    """Runs :class:`ShardTask` s of one job and commits one Parquet file per (arm, shard)."""
+
+    def __init__(self, spec: JobSpec, storage_options: dict[str, Any] | None = None):
+        self.spec = spec
+        self.plan = ShardPlan.of(spec)
+        self.store = RunStore(spec.output, storage_options)
+        self.device = assigned_device()
+        if self.device.type == "cpu":
+            # One intra-op thread per CPU Ray gave us: actors on one node must not oversubscribe it.
+            torch.set_num_threads(max(1, int(spec.num_cpus_per_actor)))
+        self._pairs: dict[tuple[str, str, str | None], ModelPair] = {}
+        self._versions = {"specray_version": specray.__version__, "torch_version": torch.__version__}
+
+    def info(self) -> dict[str, Any]:
+        return {"device": str(self.device), "pid": os.getpid(), "host": socket.gethostname(),
+                "threads": torch.get_num_threads()}
+
+    def run_task(self, task: ShardTask) -> list[dict[str, Any]]:
+        """Generate every arm of ``task`` on its shard and commit the files; returns their records."""
+        try:
+            return [f.to_dict() for f in self._run(task)]
+        except BaseException as exc:
+            if is_fatal_device_error(exc) and _inside_actor():
+                log.error("fatal device error on %s, exiting so the actor is replaced: %s", self.device, exc)
+                os._exit(1)
+            raise
+
+    def _pair(self, key: tuple[str, str, str | None]) -> ModelPair:
+        if key not in self._pairs:
+            family, target, draft = key
+            self._pairs[key] = load_pair(family, target, draft, self.device)
+        return self._pairs[key]
+
+    def _run(self, task: ShardTask) -> list[CommittedFile]:
+        pair = self._pair(task.group_key)
+        loop = family_loop(task.group_key[0])
+        rows: dict[str, list[dict[str, Any]]] = {arm.name: [] for arm in task.arms}
+        # Batch-major, arms in job order: each arm sees the same batches with the same
+        # seeds on the same actor at nearly the same time (paired wall times).
+        for start, stop in task.shard.batch_ranges():
+            sample_ids, labels = self.plan.batch(start, stop)
+            for arm in task.arms:
+                began = time.perf_counter()
+                result = loop.run_batch(arm.method, arm.params, pair, labels, sample_ids, self.spec.seed)
+                wall = time.perf_counter() - began
+                result.batch_wall_time_s = wall
+                rows[arm.name].extend(self._rows(arm, result, sample_ids, labels))
+        return [
+            self.store.write_shard(shard_relpath(arm.name, task.shard.index, task.shard.num_shards),
+                                   rows_to_table(rows[arm.name]))
+            for arm in task.arms
+        ]
+
+    def _rows(self, arm: ArmSpec, result: GenerationResult, sample_ids: torch.Tensor,
+              labels: torch.Tensor) -> list[dict[str, Any]]:
+        images = result.images.detach().to("cpu").numpy()
+        batch = len(sample_ids)
+        if images.shape[0] != batch or len(result.stats) != batch:
+            raise RuntimeError(f"arm {arm.name!r}: run_batch returned {images.shape[0]} images and "
+                               f"{len(result.stats)} stats for a batch of {batch}")
+        params = json.dumps(arm.params, sort_keys=True)
+        rows = []
+        for row, stats in enumerate(result.stats):
+            image = np.ascontiguousarray(images[row].astype(np.uint8, copy=False))
+            record = stats.as_row()
+            extra = record.pop("extra")
+            rows.append({
+                "job_id": self.spec.job_id, "arm": arm.name, "method": arm.method, "family": arm.family,
+                "target": arm.target, "draft": arm.draft,
+                "sample_id": int(sample_ids[row]), "seed": self.spec.seed, "class_label": int(labels[row]),
+                "image": {"bytes": encode_png(image), "path": None},
+                "height": int(image.shape[0]), "width": int(image.shape[1]),
+                **record,
+                "accepted_per_position": [int(v) for v in record["accepted_per_position"]],
+                "batch_size": batch, "batch_wall_time_s": result.batch_wall_time_s,
+                "sample_wall_time_s": result.batch_wall_time_s / batch,
+                "params": params, **self._versions, "device": str(self.device),
+                "extra_stats": json.dumps(extra, sort_keys=True, default=_json_default),
+            })
+        return rows
+
+
+def _json_default(value: Any) -> Any:
+    if isinstance(value, (np.generic, torch.Tensor)):
+        return value.tolist()
+    return str(value)
+
+
+def _inside_actor() -> bool:
+    try:
+        return ray.is_initialized() and ray.get_runtime_context().get_actor_id() is not None
+    except Exception:
+        return False
+
+
+GenerationActor = ray.remote(max_restarts=0, max_task_retries=0)(ShardWorker)

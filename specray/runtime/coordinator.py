@@ -1,0 +1,363 @@
+"""The coordinator: plan shards, skip committed ones, run the rest on a pool of actors, write the manifest.
+
+The driver touches no accelerator: it only plans, dispatches and counts. Work
+units are :class:`ShardTask` s (one shard of one arm group). A task that fails
+is retried on another actor (up to ``max_shard_retries`` times); an actor that
+died is replaced. Output is written by the actors, one atomic file per
+(arm, shard), so a retried or resumed task can never leave a sample twice.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import platform
+import time
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from typing import Any
+
+import pyarrow
+import ray
+import torch
+
+import specray
+from specray.runtime import fs as storage
+from specray.runtime.plan import ShardPlan, ShardTask, shard_relpath
+from specray.runtime.progress import Progress
+from specray.runtime.store import JOB_RECORD_NAME, MANIFEST_NAME, CommittedFile, RunStore
+from specray.spec import JobSpec, SpecError, with_output
+
+log = logging.getLogger("specray.runtime")
+
+MANIFEST_FORMAT = 1
+
+
+class ShardFailedError(RuntimeError):
+    """A shard exhausted its retries. Committed shards stay valid; a rerun resumes."""
+
+
+@dataclass
+class RunResult:
+    output: str
+    manifest: dict[str, Any]
+    num_tasks: int
+    tasks_run: int
+    tasks_skipped: int
+    retries: int
+    actors: int
+    wall_time_s: float
+    rows_written: int = 0
+
+
+# ---------------------------------------------------------------- planning and resume
+
+
+def plan_tasks(spec: JobSpec, plan: ShardPlan, store: RunStore) -> tuple[list[ShardTask], int]:
+    """Tasks still to run (arms whose file is missing), and the number of rows already committed."""
+    tasks: list[ShardTask] = []
+    committed_rows = 0
+    for shard in plan.shards():
+        for key, arms in spec.arm_groups():
+            missing = tuple(a for a in arms if not store.is_committed(shard_relpath(a.name, shard.index, shard.num_shards)))
+            committed_rows += shard.num_samples * (len(arms) - len(missing))
+            if missing:
+                tasks.append(ShardTask(shard=shard, group_key=key, arms=missing))
+    return tasks, committed_rows
+
+
+def check_resume(spec: JobSpec, plan: ShardPlan, store: RunStore) -> dict[str, Any] | None:
+    """Refuse an output that holds samples of an incompatible spec. Returns the previous record."""
+    previous = store.read_json(JOB_RECORD_NAME)
+    if previous is None:
+        if store.list_files("samples"):
+            raise SpecError("output", f"{spec.output!r} holds sample files but no {JOB_RECORD_NAME}; "
+                                      "it is not a specray run of this job. Choose another output")
+        return None
+    where = f"output {spec.output!r} holds a run of a different job"
+    if previous.get("format") != MANIFEST_FORMAT:
+        raise SpecError("output", f"{where} (record format {previous.get('format')}); choose another output")
+    old, new = previous["sample_determining"], spec.sample_determining()
+    for key in ("job_id", "seed", "conditions", "batch_size"):
+        if old.get(key) != new.get(key):
+            raise SpecError("output", f"{where}: {key} was {old.get(key)!r}, now {new.get(key)!r}; resuming would "
+                                      "mix incompatible samples. Choose another output or delete it")
+    if previous["layout"] != plan.layout():
+        raise SpecError("output", f"{where}: shard layout was {previous['layout']}, now {plan.layout()}; "
+                                  "keep shard_batches as it was to resume, or choose another output")
+    for name, fingerprint in old["arms"].items():
+        if name not in new["arms"]:
+            raise SpecError("output", f"{where}: arm {name!r} is no longer in the job; add it back or choose another output")
+        if new["arms"][name] != fingerprint:
+            raise SpecError("output", f"{where}: arm {name!r} changed (family, models, method or params); "
+                                      "resuming would mix incompatible samples. Rename the arm or choose another output")
+    return previous
+
+
+def job_record(spec: JobSpec, plan: ShardPlan) -> dict[str, Any]:
+    return {"format": MANIFEST_FORMAT, "job_id": spec.job_id, "fingerprint": spec.fingerprint(),
+            "sample_determining": spec.sample_determining(), "layout": plan.layout(),
+            "spec": public_spec(spec)}
+
+
+def public_spec(spec: JobSpec) -> dict[str, Any]:
+    """The spec as the manifest stores it: no credentials (user:password stripped from URIs)."""
+    return storage.redact(spec.to_dict())
+
+
+# ---------------------------------------------------------------- Ray
+
+
+def connect_ray(ray_address: str | None = None, num_cpus: int | None = None) -> bool:
+    """Join a cluster (``ray_address``, or RAY_ADDRESS as ``ray job submit`` sets it) or start a local Ray.
+
+    A running cluster is joined only when asked (``--ray-address auto`` or
+    RAY_ADDRESS=auto): "auto" also finds Ray instances that other drivers on
+    the machine started for themselves and will shut down under us.
+    Returns True when this call started Ray (the caller shuts it down).
+    """
+    if ray.is_initialized():
+        return False
+    if ray_address:
+        ray.init(address=ray_address)
+        return False
+    if os.environ.get("RAY_ADDRESS"):
+        ray.init()
+        return False
+    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False)
+    return True
+
+
+def default_actor_count(spec: JobSpec, resources: dict[str, float]) -> int:
+    """As many actors as the cluster offers for the per-actor request."""
+    if spec.num_gpus_per_actor > 0:
+        gpus = resources.get("GPU", 0.0)
+        if gpus < spec.num_gpus_per_actor:
+            raise SpecError("num_gpus_per_actor", f"asks for {spec.num_gpus_per_actor} GPU per actor but the "
+                                                  f"cluster has {gpus} GPUs; set num_gpus_per_actor: 0 to run on CPU")
+        return max(1, int(gpus / spec.num_gpus_per_actor + 1e-9))
+    cpus = resources.get("CPU", 0.0)
+    if cpus < spec.num_cpus_per_actor:
+        raise SpecError("num_cpus_per_actor", f"asks for {spec.num_cpus_per_actor} CPUs per actor but the "
+                                              f"cluster has {cpus} CPUs")
+    return int(cpus / spec.num_cpus_per_actor + 1e-9)
+
+
+# ---------------------------------------------------------------- the run
+
+
+def run_job(spec: JobSpec, *, ray_address: str | None = None, num_cpus: int | None = None,
+            actors: int | None = None, storage_options: dict[str, Any] | None = None,
+            show_progress: bool = True) -> RunResult:
+    """Run ``spec`` to completion (resuming from committed shards) and write the manifest."""
+    started = time.time()
+    if "://" not in spec.output and not os.path.isabs(spec.output):
+        # Actors may run in another working directory: give them the driver's meaning of the path.
+        spec = with_output(spec, os.path.abspath(spec.output))
+    plan = ShardPlan.of(spec)
+    try:  # before Ray starts: a refused output costs nothing and leaves nothing behind
+        storage.check_writable(spec.output, storage_options)
+    except storage.StorageError as exc:
+        raise SpecError("output", str(exc)) from None
+    store = RunStore(spec.output, storage_options)
+    check_resume(spec, plan, store)
+    store.remove_stale_temps()
+    tasks, committed_rows = plan_tasks(spec, plan, store)
+    total_rows = plan.num_samples * len(spec.arms)
+    log.info("job %s: %d samples x %d arms = %d rows in %d shards; %d rows already committed, %d tasks to run",
+             spec.job_id, plan.num_samples, len(spec.arms), total_rows, plan.num_shards, committed_rows, len(tasks))
+
+    written: dict[str, CommittedFile] = {}
+    retries, pool_size, devices = 0, 0, []
+    started_ray = connect_ray(ray_address, num_cpus) if tasks else False
+    try:
+        if tasks:
+            wanted = actors if actors is not None else spec.actors
+            if wanted == "auto":
+                wanted = default_actor_count(spec, ray.cluster_resources())  # may refuse: nothing written yet
+            pool_size = min(int(wanted), len(tasks))
+            if store.is_committed(MANIFEST_NAME):
+                store.delete(MANIFEST_NAME)  # the manifest means "complete"; it is not, until the end
+        store.write_json(JOB_RECORD_NAME, job_record(spec, plan))
+        if tasks:
+            with Progress(total_rows, committed_rows, enabled=show_progress) as progress:
+                dispatcher = _Dispatcher(spec, storage_options, pool_size, progress)
+                try:
+                    written = dispatcher.run(tasks)
+                finally:
+                    dispatcher.shutdown()
+                retries, devices = dispatcher.retries, dispatcher.devices
+    finally:
+        if started_ray:
+            ray.shutdown()
+
+    manifest = build_manifest(spec, plan, store, written, started=started, retries=retries,
+                              actors=pool_size, devices=devices, tasks_run=len(tasks))
+    store.write_json(MANIFEST_NAME, manifest)
+    wall = time.time() - started
+    log.info("job %s complete in %.1f s: %d tasks run, %d retries; manifest at %s",
+             spec.job_id, wall, len(tasks), retries, store.full_path(MANIFEST_NAME))
+    return RunResult(output=spec.output, manifest=manifest, num_tasks=plan.num_shards * len(spec.arm_groups()),
+                     tasks_run=len(tasks), tasks_skipped=plan.num_shards * len(spec.arm_groups()) - len(tasks),
+                     retries=retries, actors=pool_size, wall_time_s=wall,
+                     rows_written=sum(f.rows for f in written.values()))
+
+
+class _Dispatcher:
+    """Hands tasks to idle actors, retries failures elsewhere, replaces dead actors."""
+
+    def __init__(self, spec: JobSpec, storage_options: dict[str, Any] | None, pool_size: int, progress: Progress):
+        self.spec = spec
+        self.storage_options = storage_options
+        self.progress = progress
+        self.retries = 0
+        self.devices: list[str] = []
+        self._next_actor_id = 0
+        self.actors: dict[int, Any] = {}  # actor id -> handle (ids are never reused)
+        for _ in range(pool_size):
+            self._start_actor()
+
+    def _start_actor(self) -> int:
+        from specray.runtime.actor import GenerationActor
+
+        actor_id = self._next_actor_id
+        self._next_actor_id += 1
+        self.actors[actor_id] = GenerationActor.options(
+            num_cpus=self.spec.num_cpus_per_actor, num_gpus=self.spec.num_gpus_per_actor,
+        ).remote(self.spec, self.storage_options)
+        return actor_id
+
+    def run(self, tasks: list[ShardTask]) -> dict[str, CommittedFile]:
+        from ray.exceptions import RayActorError, RayTaskError
+
+        pending = collections.deque(range(len(tasks)))
+        failures: dict[int, int] = collections.Counter()
+        avoid: dict[int, set[int]] = collections.defaultdict(set)  # task -> actors it failed on
+        idle = collections.deque(self.actors)
+        in_flight: dict[Any, tuple[int, int]] = {}  # ref -> (actor id, task index)
+        written: dict[str, CommittedFile] = {}
+        info_refs = {self.actors[a].info.remote(): a for a in self.actors}
+        failure: ShardFailedError | None = None
+
+        while pending or in_flight:
+            self._assign(tasks, pending, idle, in_flight, avoid)
+            ready, _ = ray.wait(list(in_flight), num_returns=1, timeout=1.0)
+            self.progress.tick()
+            for ref in ready:
+                actor_id, index = in_flight.pop(ref)
+                task = tasks[index]
+                try:
+                    records = ray.get(ref)
+                except (RayActorError, RayTaskError) as exc:
+                    failures[index] += 1
+                    self.retries += 1
+                    self.progress.retry()
+                    avoid[index].add(actor_id)
+                    reason = _short_error(exc)
+                    if isinstance(exc, RayActorError):
+                        log.warning("actor %d died while running %s (%s); replacing it", actor_id, task.label, reason)
+                        self._replace(actor_id, idle)
+                    else:
+                        idle.append(actor_id)
+                    if failures[index] > self.spec.max_shard_retries:
+                        # Let the shards in flight finish (their commits are valid), then fail.
+                        failure = failure or ShardFailedError(
+                            f"{task.label} failed {failures[index]} times (max_shard_retries="
+                            f"{self.spec.max_shard_retries}); last error: {reason}. Shards already committed "
+                            f"stay valid: fix the cause and rerun the job to resume")
+                        pending.clear()
+                        continue
+                    log.warning("%s failed on actor %d (attempt %d): %s; retrying on another actor",
+                                task.label, actor_id, failures[index], reason)
+                    pending.appendleft(index)
+                    continue
+                for record in records:
+                    committed = CommittedFile(**record)
+                    written[committed.path] = committed
+                self.progress.advance(task.num_rows)
+                idle.append(actor_id)
+        if failure is not None:
+            raise failure
+        self._collect_devices(info_refs)
+        return written
+
+    def _assign(self, tasks: list[ShardTask], pending: collections.deque, idle: collections.deque,
+                in_flight: dict[Any, tuple[int, int]], avoid: dict[int, set[int]]) -> None:
+        for _ in range(len(idle)):
+            if not pending:
+                return
+            actor_id = idle.popleft()
+            choice = next((i for i in pending if actor_id not in avoid[i]), None)
+            if choice is None:
+                # Every pending task already failed here; use this actor only if no other actor is left to try.
+                others = [a for a in self.actors if a != actor_id]
+                first = pending[0]
+                if others and not all(a in avoid[first] for a in others):
+                    idle.append(actor_id)
+                    continue
+                choice = first
+            pending.remove(choice)
+            in_flight[self.actors[actor_id].run_task.remote(tasks[choice])] = (actor_id, choice)
+
+    def _replace(self, actor_id: int, idle: collections.deque) -> None:
+        handle = self.actors.pop(actor_id)
+        ray.kill(handle, no_restart=True)
+        idle.append(self._start_actor())
+
+    def _collect_devices(self, info_refs: dict[Any, int]) -> None:
+        for ref in info_refs:
+            try:
+                self.devices.append(ray.get(ref, timeout=5)["device"])
+            except Exception:  # an actor that died before answering
+                pass
+
+    def shutdown(self) -> None:
+        for handle in self.actors.values():
+            ray.kill(handle, no_restart=True)
+        self.actors.clear()
+
+
+def _short_error(exc: BaseException) -> str:
+    cause = getattr(exc, "cause", None)
+    if cause is not None:
+        return f"{type(cause).__name__}: {cause}"
+    text = str(exc).strip().splitlines()
+    return text[-1] if text else type(exc).__name__
+
+
+# ---------------------------------------------------------------- manifest
+
+
+def build_manifest(spec: JobSpec, plan: ShardPlan, store: RunStore, written: dict[str, CommittedFile], *,
+                   started: float, retries: int, actors: int, devices: list[str], tasks_run: int) -> dict[str, Any]:
+    """Count every committed (arm, shard) file; fail if one is missing or has the wrong row count."""
+    shards = []
+    for arm in spec.arms:
+        for shard in plan.shards():
+            path = shard_relpath(arm.name, shard.index, shard.num_shards)
+            committed = written.get(path) or store.describe(path)
+            if committed.rows != shard.num_samples:
+                raise RuntimeError(f"{path} has {committed.rows} rows, expected {shard.num_samples}")
+            shards.append({"arm": arm.name, "shard": shard.index, "num_shards": shard.num_shards,
+                           "first_sample_id": shard.start, **committed.to_dict()})
+    finished = time.time()
+    return {
+        "format": MANIFEST_FORMAT,
+        "job_id": spec.job_id,
+        "fingerprint": spec.fingerprint(),
+        "spec": public_spec(spec),
+        "layout": plan.layout(),
+        "arms": [{"name": a.name, "family": a.family, "method": a.method, "target": a.target, "draft": a.draft,
+                  "params": a.params, "fingerprint": a.fingerprint()} for a in spec.arms],
+        "num_rows": sum(s["rows"] for s in shards),
+        "shards": shards,
+        "versions": {"specray": specray.__version__, "torch": torch.__version__, "ray": ray.__version__,
+                     "pyarrow": pyarrow.__version__, "python": platform.python_version()},
+        "timings": {"started_at": _iso(started), "finished_at": _iso(finished), "wall_time_s": finished - started,
+                    "tasks_run": tasks_run, "retries": retries, "actors": actors, "devices": sorted(devices)},
+    }
+
+
+def _iso(timestamp: float) -> str:
+    return datetime.fromtimestamp(timestamp, tz=timezone.utc).isoformat(timespec="seconds")

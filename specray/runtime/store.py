@@ -1,0 +1,198 @@
+"""Where a run's files go: Parquet shards and JSON records over fsspec.
+
+A run directory (local path or ``s3://`` URI) holds
+
+- ``samples/arm=<arm>/shard-<k>-of-<K>.parquet`` -- one file per (arm, shard);
+- ``_job.json`` -- written when a run starts: the spec and its fingerprint, so a
+  rerun can check it may resume here;
+- ``_manifest.json`` -- written LAST, after every shard is committed.
+
+Every file is committed atomically by :meth:`RunStore.commit_bytes`: the bytes are
+built completely in memory first, then made visible in one step through
+:func:`specray.runtime.fs.atomic_write_bytes` -- a temp file in the same
+directory plus ``os.replace`` locally, one complete PUT (or a completed
+multipart upload) on S3, which never exposes partial objects. Temp names start
+with ``.`` so Parquet dataset readers skip them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from specray.runtime import fs as storage
+
+MANIFEST_NAME = "_manifest.json"
+JOB_RECORD_NAME = "_job.json"
+TEMP_MARKER = ".tmp-"
+
+IMAGE_TYPE = pa.struct([("bytes", pa.binary()), ("path", pa.string())])
+
+# One row per (arm, sample); the design's Data section plus extra_stats.
+SAMPLE_SCHEMA = pa.schema([
+    ("job_id", pa.string()),
+    ("arm", pa.string()),
+    ("method", pa.string()),
+    ("family", pa.string()),
+    ("target", pa.string()),
+    ("draft", pa.string()),
+    ("sample_id", pa.int64()),
+    ("seed", pa.int64()),
+    ("class_label", pa.int64()),
+    ("image", IMAGE_TYPE),
+    ("height", pa.int32()),
+    ("width", pa.int32()),
+    ("num_tokens", pa.int64()),
+    ("num_spec_steps", pa.int64()),
+    ("num_draft_tokens", pa.int64()),
+    ("num_accepted_draft_tokens", pa.int64()),
+    ("draft_acceptance_rate", pa.float64()),
+    ("mean_acceptance_length", pa.float64()),
+    ("accepted_per_position", pa.list_(pa.int32())),
+    ("target_calls", pa.int64()),
+    ("draft_calls", pa.int64()),
+    ("batch_size", pa.int32()),
+    ("batch_wall_time_s", pa.float64()),
+    ("sample_wall_time_s", pa.float64()),
+    ("params", pa.string()),
+    ("specray_version", pa.string()),
+    ("torch_version", pa.string()),
+    ("device", pa.string()),
+    ("extra_stats", pa.string()),
+])
+
+
+def encode_png(image: np.ndarray) -> bytes:
+    """PNG bytes of a uint8 ``[H, W]`` (grey) or ``[H, W, 3]`` (RGB) image.
+
+    Deterministic: same pixels -> same bytes (fixed compression level, no
+    timestamps or text chunks).
+    """
+    from PIL import Image
+
+    if image.dtype != np.uint8:
+        raise TypeError(f"image must be uint8, got {image.dtype}")
+    if image.ndim == 2:
+        pil = Image.fromarray(image, mode="L")
+    elif image.ndim == 3 and image.shape[2] == 3:
+        pil = Image.fromarray(image, mode="RGB")
+    else:
+        raise ValueError(f"image must be [H, W] or [H, W, 3], got shape {tuple(image.shape)}")
+    buffer = io.BytesIO()
+    pil.save(buffer, format="PNG", compress_level=6, optimize=False)
+    return buffer.getvalue()
+
+
+def rows_to_table(rows: list[dict[str, Any]]) -> pa.Table:
+    return pa.Table.from_pylist(rows, schema=SAMPLE_SCHEMA)
+
+
+def table_to_parquet_bytes(table: pa.Table) -> bytes:
+    buffer = io.BytesIO()
+    pq.write_table(table, buffer, compression="zstd")
+    return buffer.getvalue()
+
+
+@dataclass(frozen=True)
+class CommittedFile:
+    """A committed (arm, shard) file as the manifest lists it."""
+
+    path: str  # relative to the run's output
+    rows: int
+    sha256: str
+    bytes: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class RunStore:
+    """Files of one run, under ``output`` (a local path or an ``s3://`` URI).
+
+    All I/O goes through :mod:`specray.runtime.fs`, which owns the atomic-write
+    rules per backend (temp + rename locally; one PUT / completed multipart on S3).
+    """
+
+    def __init__(self, output: str, storage_options: dict[str, Any] | None = None):
+        self.output = output
+        self.storage_options = storage_options
+        self.fs, self.root = storage.resolve(output, storage_options)
+        self.is_local = _is_local(self.fs)
+
+    def uri(self, relpath: str) -> str:
+        return storage.join(self.output, relpath)
+
+    def full_path(self, relpath: str) -> str:
+        return self.uri(relpath)
+
+    # -- reading --------------------------------------------------------
+
+    def is_committed(self, relpath: str) -> bool:
+        """A file exists only once complete, so existence is commitment."""
+        return storage.exists(self.uri(relpath), self.storage_options)
+
+    def read_bytes(self, relpath: str) -> bytes:
+        return storage.read_bytes(self.uri(relpath), self.storage_options)
+
+    def read_json(self, relpath: str) -> dict[str, Any] | None:
+        if not self.is_committed(relpath):
+            return None
+        return json.loads(self.read_bytes(relpath))
+
+    def describe(self, relpath: str) -> CommittedFile:
+        """Row count and checksum of a committed shard (for shards committed by an earlier run)."""
+        data = self.read_bytes(relpath)
+        rows = pq.ParquetFile(io.BytesIO(data)).metadata.num_rows
+        return CommittedFile(relpath, rows, hashlib.sha256(data).hexdigest(), len(data))
+
+    def read_table(self, relpath: str) -> pa.Table:
+        return pq.read_table(io.BytesIO(self.read_bytes(relpath)))
+
+    # -- writing --------------------------------------------------------
+
+    def commit_bytes(self, relpath: str, data: bytes) -> None:
+        """Make ``data`` visible at ``relpath`` in one step (never partially)."""
+        storage.atomic_write_bytes(self.uri(relpath), data, self.storage_options)
+
+    def write_shard(self, relpath: str, table: pa.Table) -> CommittedFile:
+        data = table_to_parquet_bytes(table)
+        self.commit_bytes(relpath, data)
+        return CommittedFile(relpath, table.num_rows, hashlib.sha256(data).hexdigest(), len(data))
+
+    def write_json(self, relpath: str, payload: dict[str, Any]) -> None:
+        self.commit_bytes(relpath, (json.dumps(payload, indent=2, sort_keys=True) + "\n").encode())
+
+    def delete(self, relpath: str) -> None:
+        storage.remove(self.uri(relpath), self.storage_options)
+
+    def remove_stale_temps(self) -> list[str]:
+        """Delete temp files a crashed writer left behind (local only; object stores have none)."""
+        if not self.is_local or not os.path.isdir(self.root):
+            return []
+        removed = []
+        for dirpath, _dirs, files in os.walk(self.root):
+            for name in files:
+                if name.startswith(".") and TEMP_MARKER in name:
+                    os.remove(os.path.join(dirpath, name))
+                    removed.append(os.path.join(dirpath, name))
+        return removed
+
+    def list_files(self, prefix: str = "") -> list[str]:
+        """Relative paths of the committed files under ``prefix`` (temp files are never listed)."""
+        base = self.uri(prefix) if prefix else self.output
+        base_uri = storage.join(self.output, "")
+        return sorted(u[len(base_uri):].lstrip("/") for u in storage.list_files(base, "", self.storage_options))
+
+
+def _is_local(fs: Any) -> bool:
+    from fsspec.implementations.local import LocalFileSystem
+
+    return isinstance(fs, LocalFileSystem)

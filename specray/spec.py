@@ -1,0 +1,509 @@
+"""The job spec: what to generate, with which arms, and where to write it.
+
+A job file (YAML) or dict is loaded by :func:`load_job` into a :class:`JobSpec`.
+Everything is validated here, before Ray starts; every error is a
+:class:`SpecError` whose message starts with the path of the bad field
+(``arms[2].params.gamma: ...``) and names the allowed values.
+
+Example::
+
+    job_id: digits-compare
+    seed: 0
+    output: runs/compare            # local path or s3://bucket/prefix
+    conditions: {kind: class_labels, per_class: 100, classes: all}
+    batch_size: 50
+    shard_batches: 2                # or shard_size: 100 (a multiple of batch_size)
+    actors: auto                    # or an int
+    num_cpus_per_actor: 1
+    num_gpus_per_actor: 0           # fractions allowed: 0.5 puts two actors on a GPU
+    max_shard_retries: 3
+    arms:
+      - {name: target_only, family: discrete_ar, method: target_only,
+         target: digits-gpt-target, draft: digits-gpt-draft}
+      - {name: sd, family: discrete_ar, method: sd,
+         target: digits-gpt-target, draft: digits-gpt-draft, params: {gamma: 4}}
+    eval: {fid: true, reference: digits, baseline: target_only}
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any, Mapping
+
+SPEC_FORMAT_VERSION = 1
+CONDITION_KINDS = ("class_labels",)
+_ARM_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$")
+
+
+class SpecError(ValueError):
+    """A job spec that cannot run. The message starts with the field path."""
+
+    def __init__(self, field_path: str, message: str):
+        self.field_path = field_path
+        self.message = message
+        super().__init__(f"{field_path}: {message}" if field_path else message)
+
+    def __reduce__(self):  # picklable across processes despite the two-argument constructor
+        return (type(self), (self.field_path, self.message))
+
+
+@dataclass(frozen=True)
+class ConditionSpec:
+    """Class-label conditions: ``per_class`` samples of each class in ``classes``.
+
+    ``classes`` is None for "all classes the target knows" until
+    :func:`load_job` resolves it to an explicit tuple.
+    """
+
+    kind: str = "class_labels"
+    per_class: int = 100
+    classes: tuple[int, ...] | None = None
+
+    @property
+    def num_samples(self) -> int:
+        assert self.classes is not None, "classes not resolved"
+        return self.per_class * len(self.classes)
+
+
+@dataclass(frozen=True)
+class ArmSpec:
+    """One (family, target, draft, method, params) to generate with.
+
+    ``params`` are resolved: the family's defaults merged in and validated.
+    """
+
+    name: str
+    family: str
+    method: str
+    target: str
+    draft: str | None
+    params: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def group_key(self) -> tuple[str, str, str | None]:
+        """Arms with the same key share one model pair (and one actor per shard)."""
+        return (self.family, self.target, self.draft)
+
+    def fingerprint(self) -> str:
+        return _hash({"name": self.name, "family": self.family, "method": self.method,
+                      "target": self.target, "draft": self.draft, "params": self.params})
+
+
+@dataclass(frozen=True)
+class EvalSpec:
+    """What the reducer computes. ``options`` passes reducer-specific settings through."""
+
+    fid: bool = True
+    reference: str = "digits"
+    baseline: str | None = None  # arm that speedups are measured against
+    options: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    job_id: str
+    seed: int
+    output: str
+    conditions: ConditionSpec
+    arms: tuple[ArmSpec, ...]
+    batch_size: int = 32
+    shard_batches: int = 4
+    actors: str | int = "auto"
+    num_cpus_per_actor: float = 1.0
+    num_gpus_per_actor: float = 0.0
+    max_shard_retries: int = 3
+    eval: EvalSpec = field(default_factory=EvalSpec)
+
+    @property
+    def shard_size(self) -> int:
+        return self.batch_size * self.shard_batches
+
+    @property
+    def num_samples(self) -> int:
+        return self.conditions.num_samples
+
+    def arm(self, name: str) -> ArmSpec:
+        for arm in self.arms:
+            if arm.name == name:
+                return arm
+        raise KeyError(name)
+
+    def arm_groups(self) -> list[tuple[tuple[str, str, str | None], tuple[ArmSpec, ...]]]:
+        """Arms grouped by model pair, in first-appearance order; arm order kept inside a group."""
+        groups: dict[tuple[str, str, str | None], list[ArmSpec]] = {}
+        for arm in self.arms:
+            groups.setdefault(arm.group_key, []).append(arm)
+        return [(key, tuple(arms)) for key, arms in groups.items()]
+
+    def fingerprint(self) -> str:
+        """Hash of everything that determines the samples (not output, actors, retries...)."""
+        return _hash(self.sample_determining())
+
+    def sample_determining(self) -> dict[str, Any]:
+        return _plain({
+            "format": SPEC_FORMAT_VERSION,
+            "job_id": self.job_id,
+            "seed": self.seed,
+            "conditions": asdict(self.conditions),
+            "batch_size": self.batch_size,
+            "arms": {arm.name: arm.fingerprint() for arm in self.arms},
+        })
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data that :func:`load_job` accepts again (params already resolved)."""
+        data = asdict(self)
+        data["conditions"]["classes"] = list(self.conditions.classes or [])
+        data["arms"] = [asdict(a) for a in self.arms]
+        return data
+
+
+# ---------------------------------------------------------------- loading
+
+
+def load_job(source: str | os.PathLike | Mapping[str, Any], **overrides: Any) -> JobSpec:
+    """Load and validate a job from a YAML path or a dict.
+
+    ``overrides`` replace top-level fields (``output``, ``actors``...) and
+    ``per_class`` replaces ``conditions.per_class``; they are validated too.
+    """
+    if isinstance(source, Mapping):
+        data = dict(source)
+    else:
+        data = _read_yaml(Path(source))
+    per_class = overrides.pop("per_class", None)
+    for key, value in overrides.items():
+        if value is not None:
+            data[key] = value
+    if per_class is not None:
+        conditions = dict(data.get("conditions") or {})
+        conditions["per_class"] = per_class
+        data["conditions"] = conditions
+    return parse_job(data)
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+    import yaml
+
+    if not path.is_file():
+        raise SpecError("", f"job file {str(path)!r} does not exist")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(exc, "problem", None) or str(exc)
+        raise SpecError("", f"job file {str(path)!r} is not valid YAML{where}: {problem}") from None
+    if not isinstance(data, dict):
+        raise SpecError("", f"job file {str(path)!r} must hold a mapping of fields, got {type(data).__name__}")
+    return data
+
+
+_TOP_LEVEL = {
+    "job_id", "seed", "output", "conditions", "arms", "batch_size", "shard_batches", "shard_size",
+    "actors", "num_cpus_per_actor", "num_gpus_per_actor", "max_shard_retries", "eval",
+}
+
+
+def parse_job(data: Mapping[str, Any]) -> JobSpec:
+    _reject_unknown("", data, _TOP_LEVEL)
+    for required in ("output", "arms"):
+        if required not in data:
+            raise SpecError(required, "is required")
+    job_id = _string("job_id", data.get("job_id", "specray-job"))
+    if not _ARM_NAME.match(job_id):
+        raise SpecError("job_id", f"must be letters, digits, '_', '-', '.', got {job_id!r}")
+    seed = _integer("seed", data.get("seed", 0), minimum=0)
+    output = _validate_output("output", data["output"])
+    batch_size = _integer("batch_size", data.get("batch_size", 32), minimum=1)
+    shard_batches = _shard_batches(data, batch_size)
+    actors = data.get("actors", "auto")
+    if actors != "auto":
+        actors = _integer("actors", actors, minimum=1, allowed_text='"auto" or an integer >= 1')
+    num_cpus = _number("num_cpus_per_actor", data.get("num_cpus_per_actor", 1), minimum=0.0)
+    num_gpus = _number("num_gpus_per_actor", data.get("num_gpus_per_actor", 0), minimum=0.0)
+    if num_gpus > 1 and num_gpus != int(num_gpus):
+        raise SpecError("num_gpus_per_actor", f"must be a fraction <= 1 or a whole number, got {num_gpus}")
+    if num_cpus == 0 and num_gpus == 0:
+        raise SpecError("num_cpus_per_actor", "must be > 0 when num_gpus_per_actor is 0")
+    retries = _integer("max_shard_retries", data.get("max_shard_retries", 3), minimum=0)
+
+    arms = _arms("arms", data["arms"])
+    conditions = _conditions("conditions", data.get("conditions", {}), arms)
+    eval_spec = _eval("eval", data.get("eval", {}), arms)
+    return JobSpec(
+        job_id=job_id, seed=seed, output=output, conditions=conditions, arms=arms,
+        batch_size=batch_size, shard_batches=shard_batches, actors=actors,
+        num_cpus_per_actor=num_cpus, num_gpus_per_actor=num_gpus, max_shard_retries=retries,
+        eval=eval_spec,
+    )
+
+
+def _shard_batches(data: Mapping[str, Any], batch_size: int) -> int:
+    if "shard_batches" in data and "shard_size" in data:
+        raise SpecError("shard_size", "give either shard_batches or shard_size, not both")
+    if "shard_size" in data:
+        size = _integer("shard_size", data["shard_size"], minimum=1)
+        if size % batch_size:
+            raise SpecError("shard_size", f"must be a multiple of batch_size ({batch_size}), got {size}")
+        return size // batch_size
+    return _integer("shard_batches", data.get("shard_batches", 4), minimum=1)
+
+
+_ARM_FIELDS = {"name", "family", "method", "target", "draft", "params"}
+
+
+def _arms(path: str, raw: Any) -> tuple[ArmSpec, ...]:
+    from specray.methods.registry import FAMILY_LOOPS, family_loop
+
+    if not isinstance(raw, list) or not raw:
+        raise SpecError(path, "must be a non-empty list of arms")
+    arms: list[ArmSpec] = []
+    seen: dict[str, int] = {}
+    for i, item in enumerate(raw):
+        at = f"{path}[{i}]"
+        if not isinstance(item, Mapping):
+            raise SpecError(at, f"must be a mapping with fields {sorted(_ARM_FIELDS)}")
+        _reject_unknown(at, item, _ARM_FIELDS)
+        for required in ("family", "method", "target"):
+            if required not in item:
+                raise SpecError(f"{at}.{required}", "is required")
+        family = _string(f"{at}.family", item["family"])
+        if family not in FAMILY_LOOPS:
+            raise SpecError(f"{at}.family", f"unknown family {family!r}; allowed: {', '.join(sorted(FAMILY_LOOPS))}")
+        try:
+            loop = family_loop(family)
+        except ImportError as exc:
+            raise SpecError(f"{at}.family", f"family {family!r} is not available in this install ({exc})") from None
+        method = _string(f"{at}.method", item["method"])
+        if method not in loop.METHODS:
+            raise SpecError(f"{at}.method", f"unknown method {method!r} for family {family!r}; "
+                                            f"allowed: {', '.join(loop.METHODS)}")
+        name = _string(f"{at}.name", item.get("name", method))
+        if not _ARM_NAME.match(name):
+            raise SpecError(f"{at}.name", f"must be letters, digits, '_', '-', '.' (it names a directory), got {name!r}")
+        if name in seen:
+            raise SpecError(f"{at}.name", f"duplicate arm name {name!r} (also arms[{seen[name]}]); arm names must be unique")
+        seen[name] = i
+        target = _model_ref(f"{at}.target", item["target"], family)
+        draft = item.get("draft")
+        if draft is not None:
+            draft = _model_ref(f"{at}.draft", draft, family)
+        params = item.get("params") or {}
+        if not isinstance(params, Mapping):
+            raise SpecError(f"{at}.params", f"must be a mapping, got {type(params).__name__}")
+        try:
+            resolved = loop.resolve_params(method, dict(params))
+        except (ValueError, TypeError, KeyError) as exc:
+            message = _param_message(exc)
+            key = _named_param(message, [*loop.METHODS[method], *params])
+            raise SpecError(f"{at}.params" + (f".{key}" if key else ""), message) from None
+        arms.append(ArmSpec(name=name, family=family, method=method, target=target, draft=draft,
+                            params=_plain(resolved)))
+    return tuple(arms)
+
+
+def _param_message(exc: Exception) -> str:
+    # resolve_params names the parameter first ("gamma: must be..." or "parameter 'gamma'..."); keep its words.
+    text = str(exc.args[0]) if exc.args else str(exc)
+    return text
+
+
+def _named_param(message: str, names: list[str]) -> str | None:
+    """The parameter a resolve_params error is about: the first one the message names."""
+    found = []
+    for name in set(map(str, names)):
+        match = re.search(rf"(^|[\s'\"`]){re.escape(name)}(['\"`:=]|\s|$)", message)
+        if match:
+            found.append((match.start(), -len(name), name))
+    return min(found)[2] if found else None
+
+
+def _model_ref(path: str, value: Any, family: str) -> str:
+    """A preset name of the arm's family (checkpoint paths/URIs are validated by the family loader)."""
+    from specray.models.presets import get_preset
+
+    name = _string(path, value)
+    if _looks_like_checkpoint(name):
+        if "://" not in name and not Path(name).exists():
+            raise SpecError(path, f"checkpoint {name!r} does not exist")
+        return name
+    try:
+        preset = get_preset(name)
+    except KeyError as exc:
+        raise SpecError(path, str(exc.args[0])) from None
+    if preset.family != family:
+        raise SpecError(path, f"preset {name!r} belongs to family {preset.family!r}, not {family!r}")
+    if preset.role == "feature":
+        raise SpecError(path, f"preset {name!r} is a feature extractor, not a generator")
+    return name
+
+
+def _looks_like_checkpoint(name: str) -> bool:
+    return "/" in name or "://" in name or name.endswith((".safetensors", ".pt", ".bin"))
+
+
+_CONDITION_FIELDS = {"kind", "per_class", "classes"}
+
+
+def _conditions(path: str, raw: Any, arms: tuple[ArmSpec, ...]) -> ConditionSpec:
+    if not isinstance(raw, Mapping):
+        raise SpecError(path, f"must be a mapping with fields {sorted(_CONDITION_FIELDS)}")
+    _reject_unknown(path, raw, _CONDITION_FIELDS)
+    kind = _string(f"{path}.kind", raw.get("kind", "class_labels"))
+    if kind not in CONDITION_KINDS:
+        raise SpecError(f"{path}.kind", f"unknown condition kind {kind!r}; allowed: {', '.join(CONDITION_KINDS)}")
+    per_class = _integer(f"{path}.per_class", raw.get("per_class", 100), minimum=1)
+    num_classes = _num_classes(arms)
+    classes_raw = raw.get("classes", "all")
+    if classes_raw == "all" or classes_raw is None:
+        if num_classes is None:
+            raise SpecError(f"{path}.classes", "the target presets do not say how many classes they have; list the classes")
+        classes = tuple(range(num_classes))
+    else:
+        if not isinstance(classes_raw, list) or not classes_raw:
+            raise SpecError(f"{path}.classes", f'must be "all" or a non-empty list of class labels, got {classes_raw!r}')
+        classes = tuple(_integer(f"{path}.classes[{i}]", c, minimum=0) for i, c in enumerate(classes_raw))
+        for i, label in enumerate(classes):
+            if num_classes is not None and label >= num_classes:
+                raise SpecError(f"{path}.classes[{i}]", f"class label {label} out of range; allowed: 0..{num_classes - 1}")
+            if label in classes[:i]:
+                raise SpecError(f"{path}.classes[{i}]", f"class label {label} listed twice")
+    return ConditionSpec(kind=kind, per_class=per_class, classes=classes)
+
+
+def _num_classes(arms: tuple[ArmSpec, ...]) -> int | None:
+    """The smallest class count among the arms' target (and draft) presets."""
+    from specray.models.presets import get_preset
+
+    counts = []
+    for arm in arms:
+        for ref in (arm.target, arm.draft):
+            if ref is None or _looks_like_checkpoint(ref):
+                continue
+            n = get_preset(ref).config.get("num_classes")
+            if n is not None:
+                counts.append(int(n))
+    return min(counts) if counts else None
+
+
+_EVAL_FIELDS = {"fid", "reference", "baseline", "options"}
+
+
+def _eval(path: str, raw: Any, arms: tuple[ArmSpec, ...]) -> EvalSpec:
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, Mapping):
+        raise SpecError(path, f"must be a mapping with fields {sorted(_EVAL_FIELDS)}")
+    _reject_unknown(path, raw, _EVAL_FIELDS)
+    fid = raw.get("fid", True)
+    if not isinstance(fid, bool):
+        raise SpecError(f"{path}.fid", f"must be true or false, got {fid!r}")
+    reference = _string(f"{path}.reference", raw.get("reference", "digits"))
+    names = [a.name for a in arms]
+    baseline = raw.get("baseline")
+    if baseline is None:
+        baseline = next((a.name for a in arms if a.method == "target_only"), None)
+    elif baseline not in names:
+        raise SpecError(f"{path}.baseline", f"unknown arm {baseline!r}; allowed: {', '.join(names)}")
+    options = raw.get("options") or {}
+    if not isinstance(options, Mapping):
+        raise SpecError(f"{path}.options", "must be a mapping")
+    return EvalSpec(fid=fid, reference=reference, baseline=baseline, options=_plain(options))
+
+
+# ---------------------------------------------------------------- field checks
+
+
+def _validate_output(path: str, value: Any) -> str:
+    output = _string(path, value)
+    if "://" in output:
+        scheme = output.split("://", 1)[0]
+        if scheme not in ("s3", "file", "memory"):
+            raise SpecError(path, f"unsupported URI scheme {scheme!r}; allowed: a local path, file://, s3://")
+        return output
+    # Writable without writing anything: the nearest existing ancestor must be a writable directory.
+    probe = Path(output).absolute()
+    while not probe.exists():
+        probe = probe.parent
+    if not probe.is_dir():
+        raise SpecError(path, f"{output!r} cannot be created: {str(probe)!r} is a file")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise SpecError(path, f"{output!r} cannot be written: no write permission on {str(probe)!r}")
+    return output
+
+
+def _reject_unknown(path: str, data: Mapping[str, Any], allowed: set[str]) -> None:
+    for key in data:
+        if key not in allowed:
+            at = f"{path}.{key}" if path else str(key)
+            raise SpecError(at, f"unknown field; allowed: {', '.join(sorted(allowed))}")
+
+
+def _string(path: str, value: Any) -> str:
+    if not isinstance(value, str) or not value:
+        raise SpecError(path, f"must be a non-empty string, got {value!r}")
+    return value
+
+
+def _integer(path: str, value: Any, *, minimum: int, allowed_text: str | None = None) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise SpecError(path, f"must be {allowed_text or f'an integer >= {minimum}'}, got {value!r}")
+    return int(value)
+
+
+def _number(path: str, value: Any, *, minimum: float) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < minimum:
+        raise SpecError(path, f"must be a number >= {minimum}, got {value!r}")
+    return float(value)
+
+
+def _plain(value: Any) -> Any:
+    """JSON-compatible copy (tuples -> lists) so fingerprints and manifests are stable."""
+    return json.loads(json.dumps(value, sort_keys=True))
+
+
+def _hash(data: Any) -> str:
+    return hashlib.sha256(json.dumps(data, sort_keys=True, separators=(",", ":")).encode()).hexdigest()[:16]
+
+
+# ---------------------------------------------------------------- the built-in demo
+
+DEMO_DISCRETE_METHODS = ("target_only", "sd", "block", "lantern", "cool_sd", "uniform_rsd")
+
+
+def demo_arms() -> list[dict[str, Any]]:
+    """The demo's arms; later families append theirs here."""
+    arms = [
+        {"name": method, "family": "discrete_ar", "method": method,
+         "target": "digits-gpt-target", "draft": "digits-gpt-draft"}
+        for method in DEMO_DISCRETE_METHODS
+    ]
+    return arms
+
+
+def builtin_demo_dict() -> dict[str, Any]:
+    return {
+        "job_id": "demo",
+        "seed": 0,
+        "output": "runs/demo",
+        "conditions": {"kind": "class_labels", "per_class": 100, "classes": "all"},
+        "batch_size": 50,
+        "shard_batches": 2,
+        "actors": "auto",
+        "arms": demo_arms(),
+        "eval": {"fid": True, "reference": "digits", "baseline": "target_only"},
+    }
+
+
+def builtin_demo_job(**overrides: Any) -> JobSpec:
+    """All six discrete methods on the digits presets, 100 samples per class, output runs/demo."""
+    return load_job(builtin_demo_dict(), **overrides)
+
+
+def with_output(spec: JobSpec, output: str) -> JobSpec:
+    return replace(spec, output=_validate_output("output", output))
