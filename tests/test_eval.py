@@ -236,7 +236,9 @@ def write_synthetic_run(root: str) -> None:
         "spec": {"batch_size": BATCH, "eval": {"fid": True, "reference": "digits", "baseline": None,
                                                "options": {"bootstrap_replicates": 100}}},
         "layout": {"num_samples": N_SAMPLES, "batch_size": BATCH, "shard_batches": SHARD_BATCHES, "num_shards": 2},
-        "arms": [{"name": a, "family": "discrete_ar", "method": m, "target": "t", "draft": "d", "params": {}}
+        # "noisy" differs in params: two arms with one configuration and one seed would be duplicates (refused)
+        "arms": [{"name": a, "family": "discrete_ar", "method": m, "target": "t", "draft": "d",
+                  "params": {"gamma": 3} if a == "noisy" else {}}
                  for a, (m, *_rest) in arms.items()],
         "num_rows": sum(s["rows"] for s in shards),
         "shards": shards,

@@ -10,13 +10,17 @@ images are dropped and FID comes from the streamed moments alone.
 from __future__ import annotations
 
 import heapq
+import json
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
 
-from specray.eval.bootstrap import BootstrapMoments
+from specray.eval.bootstrap import BootstrapMoments, poisson_weights
+from specray.eval.extractors import FeatureSet
 from specray.eval.fid import FeatureMoments
+from specray.eval.quality import InceptionScoreAccumulator, PrcKeeper
 from specray.eval.speedup import BatchTimes
 
 
@@ -33,6 +37,10 @@ class AcceptanceTotals:
     draft_calls: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
     sample_wall_time_s: float = 0.0
+    # extra_stats["acceptance_timeline"] = {"accepted": [...], "drafted": [...]} summed over samples (bins of the
+    # sequence / denoising timeline), when the loop stores it
+    timeline_accepted: list[float] = field(default_factory=list)
+    timeline_drafted: list[float] = field(default_factory=list)
 
     def update(self, batch: pa.RecordBatch) -> None:
         column = lambda name: np.asarray(batch.column(name).to_numpy(zero_copy_only=False))  # noqa: E731
@@ -50,6 +58,43 @@ class AcceptanceTotals:
                 self.accepted_per_position.extend([0] * (len(positions) - len(self.accepted_per_position)))
             for i, value in enumerate(positions):
                 self.accepted_per_position[i] += int(value)
+        if "extra_stats" in batch.schema.names:
+            for text in batch.column("extra_stats").to_pylist():
+                self._add_timeline(text)
+
+    def _add_timeline(self, text: str | None) -> None:
+        if not text or "acceptance_timeline" not in text:
+            return
+        timeline = json.loads(text).get("acceptance_timeline") or {}
+        for name, total in (("accepted", self.timeline_accepted), ("drafted", self.timeline_drafted)):
+            values = timeline.get(name) or []
+            if len(values) > len(total):
+                total.extend([0.0] * (len(values) - len(total)))
+            for i, value in enumerate(values):
+                total[i] += float(value)
+
+    @property
+    def acceptance_timeline(self) -> list[float | None]:
+        """Acceptance rate per timeline bin (accepted / drafted), from extra_stats; [] when not stored."""
+        return [a / d if d else None for a, d in zip(self.timeline_accepted, self.timeline_drafted)]
+
+    @property
+    def accepted_length_histogram(self) -> dict[str, Any]:
+        """Rounds by number of accepted draft tokens, ``counts[k]`` for k = 0..gamma.
+
+        Derived from the per-sample counters, not stored per round: with prefix acceptance (a
+        draft token is accepted only if all before it were, as in token and block verification)
+        ``accepted_per_position[i]`` is the number of rounds with accepted length > i, so
+        ``counts[k] = app[k-1] - app[k]`` (``app[-1]`` = rounds, ``app[gamma]`` = 0) is exact
+        summed over samples. ``exact`` is false when the counters are not non-increasing in
+        position (not prefix acceptance); the counts are then clipped at 0 and approximate.
+        """
+        app = self.accepted_per_position
+        if not self.num_spec_steps or not app:
+            return {"counts": [], "exact": True}
+        bounds = [self.num_spec_steps, *app, 0]
+        raw = [bounds[k] - bounds[k + 1] for k in range(len(app) + 1)]
+        return {"counts": [max(0, int(v)) for v in raw], "exact": all(v >= 0 for v in raw)}
 
     @property
     def mean_acceptance_length(self) -> float:
@@ -112,15 +157,35 @@ class ArmAccumulator:
     image_bytes: int = 0
     metadata: dict[str, str] = field(default_factory=dict)
     has_actor_column: bool = False
+    isc_classes: int = 0  # > 0: accumulate the Inception Score over this many classes
+    isc_splits: int = 10
+    prc_max_samples: int = 0  # > 0: keep feature rows of sample_ids below this for precision/recall
+    isc: InceptionScoreAccumulator | None = field(init=False, default=None)
+    prc: PrcKeeper = field(init=False)
+    # Poisson-bootstrap replicate sums of target calls, keyed by sample_id like the FID bootstrap, so that
+    # replicate b of two arms weights the same samples: a paired interval for the NFE ratio
+    target_calls_boot: np.ndarray = field(init=False)
 
     def __post_init__(self) -> None:
         self.moments = FeatureMoments(self.feature_dim)
         self.halves = (FeatureMoments(self.feature_dim), FeatureMoments(self.feature_dim))
         self.bootstrap = BootstrapMoments(self.feature_dim, self.bootstrap_replicates, self.bootstrap_seed)
         self.grid = GridKeeper(self.grid_per_class)
+        if self.isc_classes > 0:
+            self.isc = InceptionScoreAccumulator(self.isc_classes, self.isc_splits)
+        self.prc = PrcKeeper(self.prc_max_samples)
+        self.target_calls_boot = np.zeros(self.bootstrap_replicates)
 
-    def update(self, batch: pa.RecordBatch, shard: int, images: np.ndarray, features: np.ndarray) -> None:
+    def update(self, batch: pa.RecordBatch, shard: int, images: np.ndarray, features: np.ndarray | FeatureSet) -> None:
         sample_ids = batch.column("sample_id").to_numpy().astype(np.int64)
+        if isinstance(features, FeatureSet):
+            if self.isc is not None and features.isc is not None:
+                self.isc.update(features.isc, sample_ids)
+            self.prc.offer(features.prc, sample_ids)
+            features = features.fid
+        calls = batch.column("target_calls").to_numpy(zero_copy_only=False).astype(np.float64)
+        weights = poisson_weights(self.bootstrap_seed, sample_ids, self.bootstrap_replicates)
+        self.target_calls_boot += weights.T @ calls
         labels = batch.column("class_label").to_numpy(zero_copy_only=False).astype(np.int64)
         for key in ("method", "family", "target", "draft", "device"):
             if key not in self.metadata:
@@ -129,7 +194,7 @@ class ArmAccumulator:
         even = sample_ids % 2 == 0
         self.halves[0].update(features[even])
         self.halves[1].update(features[~even])
-        self.bootstrap.update(features, sample_ids)
+        self.bootstrap.update(features, sample_ids, weights)
         self.totals.update(batch)
         self.grid.offer(sample_ids, labels, images)
         self._record_times(batch, shard, sample_ids)
@@ -145,7 +210,7 @@ class ArmAccumulator:
         sizes = batch.column("batch_size").to_numpy().astype(np.int64)
         if "actor" in batch.schema.names:
             self.has_actor_column = True
-            actors = [str(a) for a in batch.column("actor").to_pylist()]
+            actors = ["" if a is None else str(a) for a in batch.column("actor").to_pylist()]
         else:
             actors = [""] * batch.num_rows  # rows of one shard task ran on one actor
         nominal = self.nominal_batch_size or int(sizes.max())

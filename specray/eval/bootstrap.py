@@ -22,6 +22,7 @@ import torch
 from specray import rng
 
 BOOTSTRAP_STREAM = "fid_bootstrap"
+_SCATTER_CHUNK = 128  # rows per einsum: the intermediate is chunk * B * d floats (13 MiB at B=200, d=64)
 _POISSON_MAX = 30  # P(Poisson(1) > 30) < 1e-32
 
 
@@ -58,15 +59,19 @@ class BootstrapMoments:
             self.mean = np.zeros((self.num_replicates, self.dim))
             self.scatter = np.zeros((self.num_replicates, self.dim, self.dim))
 
-    def update(self, features: np.ndarray, sample_ids: np.ndarray) -> None:
+    def update(self, features: np.ndarray, sample_ids: np.ndarray, weights: np.ndarray | None = None) -> None:
+        """``weights``: ``poisson_weights(self.seed, sample_ids, B)`` when the caller already has them."""
         x = np.asarray(features, dtype=np.float64)
-        w = poisson_weights(self.seed, sample_ids, self.num_replicates)  # [n, B]
+        w = poisson_weights(self.seed, sample_ids, self.num_replicates) if weights is None else weights  # [n, B]
         shift = x.mean(0)  # centre first: keeps the one-pass scatter formula accurate
         xc = x - shift
         n_b = w.sum(0)  # [B]
         safe = np.where(n_b > 0, n_b, 1.0)
         mean_c = (w.T @ xc) / safe[:, None]  # [B, d], relative to shift
-        scatter = np.einsum("nb,ni,nj->bij", w, xc, xc, optimize=True)
+        scatter = np.zeros((self.num_replicates, self.dim, self.dim))
+        for start in range(0, len(xc), _SCATTER_CHUNK):  # bounds the [chunk, B, d] intermediate
+            part = slice(start, start + _SCATTER_CHUNK)
+            scatter += np.einsum("nb,ni,nj->bij", w[part], xc[part], xc[part], optimize=True)
         scatter -= n_b[:, None, None] * mean_c[:, :, None] * mean_c[:, None, :]
         self._merge(n_b, mean_c + shift, scatter)
 

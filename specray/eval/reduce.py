@@ -1,37 +1,47 @@
-"""The reducer: a run's committed shards -> FID, acceptance, speedup -> ``report/``.
+"""The reducer: a run's committed shards -> checks -> FID/IS/PR, acceptance, speedup -> ``report/``.
 
-``reduce_run(run_dir)`` reads ``_manifest.json`` and only the shards it lists,
-streams them arm by arm (record batches of ``batch_rows``), and writes
-``report/report.json`` and ``report/grid.png``.
+``reduce_run(run_dir)`` reads ``_manifest.json`` and only the shards it lists:
 
-FID is against the digits data (all 1797 images) in the feature space of the
-project's digits classifier (torch-fidelity extractor ``specray-digits``). The
-point value comes from ``torch_fidelity.calculate_metrics`` while an arm's
-images fit ``image_budget_bytes``; otherwise (and always, as a cross-check)
-from streamed float64 moments through torch-fidelity's Fréchet formula.
-
-Noise: every arm carries a 95% Poisson-bootstrap interval over its samples
-(percentile interval shifted by the bootstrap bias, see ``bias_shifted_interval``),
-and, against its baseline, the interval of the *paired* bootstrap difference
-(the same sample_ids resampled in both arms); ``within_noise`` is true when
-that interval contains 0. ``halves`` gives FID of the even and odd sample_ids
-separately (a split-half view of seed-to-seed spread at N/2 samples).
+1. pre-scoring checks (``checks.py``: count == N, no duplicate sample_ids/seeds, label
+   balance) -- a failure raises ``RunCheckError`` before anything is scored;
+2. streams each arm in record batches of ``batch_rows`` through the feature extractor
+   (``extractors.py``: ``specray-digits`` or ``inception-v3-compat`` from local weights),
+   accumulating float64 feature moments, Poisson-bootstrap moments keyed by sample_id, IS
+   sums, a few grid images and batch wall times -- memory does not grow with N;
+3. FID against the reference statistics of ``eval.reference`` (``reference.py``: digits,
+   ADM ``.npz``, torch-fidelity stats, image folder, Parquet). The point value comes from
+   ``torch_fidelity.calculate_metrics`` for the digits reference while an arm's images fit
+   ``image_budget_bytes``, otherwise from streamed moments through torch-fidelity's formula;
+4. speedups against the baseline (``speedup.py``): throughput at the run's batch size,
+   latency at batch 1, the NFE ratio, each with a 95% bootstrap interval; warm-up dropped;
+5. "within noise": the paired bootstrap FID difference and, with seed replicas
+   (``seed_offset``), the seed-to-seed spread (``noise.py``);
+6. writes ``report/report.json``, ``report.md``, plots (``plots.py``) and ``grid.png``.
 
 report.json (``format`` "specray-report/1")::
 
-    {format, run, job_id, num_rows,
-     fid_setup: {feature_extractor, feature_layer, feature_dim, reference, reference_count,
-                 extractor_heldout_accuracy, bootstrap_replicates, bootstrap_seed, confidence},
+    {format, run, job_id, num_rows, checks: {passed, skipped, num_samples_per_arm, class_counts},
+     fid_setup: {feature_extractor, feature_layer, feature_dim, isc_layer, prc_layer, reference,
+                 reference_kind, reference_count, extractor_heldout_accuracy, bootstrap_replicates,
+                 bootstrap_seed, confidence},
      options: {...},
-     arms: [{arm, method, family, target, draft, device, baseline, num_samples,
+     arms: [{arm, method, family, target, draft, device, baseline, num_samples, params,
              fid: {value, source, streaming, ci, bootstrap_std, halves: [even, odd],
-                   diff_vs_baseline: {value, ci, within_noise} | null},
+                   diff_vs_baseline: {value, ci, within_noise} | null,
+                   seed_spread: {group, mean, sd, num_seeds, z, within} | null},
+             inception_score: {mean, std, splits} | null,
+             precision_recall: {available, precision, recall, f_score, ...} | null,
              acceptance: {mean_acceptance_length, draft_acceptance_rate, acceptance_by_position,
+                          accepted_length_histogram: {counts, exact}, acceptance_timeline,
                           num_tokens, num_spec_steps, num_draft_tokens, num_accepted_draft_tokens,
                           target_calls, draft_calls},
-             nfe_ratio,
+             nfe_ratio, nfe_ratio_ci,
              speedup: {speedup, speedup_ci, throughput_speedup, throughput_ci, num_pairs,
-                       warmup_dropped, pairing} | null}],
+                       warmup_dropped, pairing, batch_size,
+                       latency: {available, speedup, ci, median_ratio, median_ratio_ci, num_pairs} |
+                                {available: false, reason}} | null}],
+     seed_spread: [{family, target, arms, seed_offsets, fids, mean, sd, num_seeds, criterion, lossless_arms}],
+     throughput: {feature_extraction_s, images_per_s},
      table: {columns: [...], rows: [[...]]},
      grid: {path, sample_ids, arms}}
 """
@@ -42,19 +52,25 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+import time
+
 import numpy as np
 import torch
 
 from specray.eval.accumulate import ArmAccumulator
 from specray.eval.bootstrap import bias_shifted_interval
-from specray.eval.fid import DigitsFeatureExtractor, FeatureMoments, digits_reference_images, fid_torch_fidelity, frechet_distance
-from specray.eval.report import TABLE_COLUMNS, format_table, grid_png, table_rows, write_json
+from specray.eval.checks import RunCheckError, check_run  # noqa: F401  (RunCheckError re-exported)
+from specray.eval.extractors import ImageFeatureExtractor
+from specray.eval.fid import digits_reference_images, fid_torch_fidelity, frechet_distance
+from specray.eval.noise import seed_spread
+from specray.eval.quality import precision_recall
+from specray.eval.reference import ReferenceStatistics, load_reference
+from specray.eval.report import TABLE_COLUMNS, format_table, grid_png, render_report_files, table_rows, write_json
 from specray.eval.shards import RunManifest, decode_images, iter_shard_batches, read_manifest
-from specray.eval.speedup import speedup_over_baseline
+from specray.eval.speedup import latency_speedup, ratio_with_paired_bootstrap, speedup_over_baseline
 from specray.runtime.store import RunStore
 
 REPORT_FORMAT = "specray-report/1"
-SUPPORTED_REFERENCES = ("digits",)
 
 
 @dataclass(frozen=True)
@@ -68,6 +84,16 @@ class ReduceOptions:
     image_budget_bytes: int = 256 * 2**20  # per arm, for torch-fidelity's in-memory calculate_metrics
     drop_warmup: bool = True
     speedup_replicates: int = 1000
+    checks: bool = True  # pre-scoring checks (count, duplicates, seeds, label balance)
+    feature_extractor: str = "specray-digits"  # or "inception-v3-compat"
+    inception_weights: str | None = None  # local InceptionV3 weights (else $SPECRAY_INCEPTION_WEIGHTS / cache)
+    isc: bool = True  # Inception Score (IS) on the extractor's logits
+    isc_splits: int = 10
+    prc: bool = False  # precision/recall (torch-fidelity prc) on up to prc_max_samples samples per arm
+    prc_max_samples: int = 2000
+    prc_neighborhood: int = 3
+    seed_spread_sd: float = 2.0  # "within seed spread": |FID - mean| <= this many seed-to-seed sd
+    plots: bool = True
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> ReduceOptions:
@@ -80,6 +106,11 @@ class ReduceOptions:
             raise ValueError(f"bootstrap_replicates must be >= 2, got {options.bootstrap_replicates}")
         if not 0.0 < options.confidence < 1.0:
             raise ValueError(f"confidence must be in (0, 1), got {options.confidence}")
+        from specray.eval.extractors import EXTRACTORS
+
+        if options.feature_extractor not in EXTRACTORS:
+            raise ValueError(f"eval.options.feature_extractor: unknown {options.feature_extractor!r}; "
+                             f"allowed: {list(EXTRACTORS)}")
         return options
 
 
@@ -89,36 +120,44 @@ def reduce_run(
     print_table: bool = True,
     options: ReduceOptions | None = None,
     storage_options: dict[str, Any] | None = None,
+    reference: str | None = None,
 ) -> dict[str, Any]:
-    """Score a committed run and write ``<run_dir>/report/{report.json,grid.png}``; returns the report dict.
+    """Score a committed run and write ``<run_dir>/report/`` (report.json, report.md, plots, grid); returns the report.
 
-    ``options`` default to the job's ``eval.options`` from the manifest, then to ``ReduceOptions()``.
+    ``options`` default to the job's ``eval.options`` from the manifest, then to ``ReduceOptions()``;
+    ``reference`` defaults to the job's ``eval.reference`` (see ``specray.eval.reference``).
+    Raises ``RunCheckError`` (a ValueError) before scoring when the run fails a pre-scoring check.
     """
     store = RunStore(run_dir, storage_options)
     manifest = read_manifest(store)
     spec_eval = (manifest.raw.get("spec") or {}).get("eval") or {}
     if options is None:
         options = ReduceOptions.from_dict(dict(spec_eval.get("options") or {}))
-    reference = spec_eval.get("reference", "digits")
-    if reference not in SUPPORTED_REFERENCES:
-        raise ValueError(f"eval.reference {reference!r} is not supported yet; allowed: {list(SUPPORTED_REFERENCES)}")
+    reference_name = reference or spec_eval.get("reference", "digits")
+    checks = check_run(store, manifest) if options.checks else None
 
-    extractor = DigitsFeatureExtractor(options.device)
-    reference_images = digits_reference_images()
-    reference_moments = FeatureMoments(extractor.dim)
-    reference_moments.update(extractor(reference_images))
-    reference_stats = reference_moments.statistics()
+    extractor = ImageFeatureExtractor(options.feature_extractor, options.device, options.inception_weights)
+    reference_stats = load_reference(reference_name, extractor, batch_rows=options.batch_rows,
+                                     prc_max_samples=options.prc_max_samples if options.prc else 0)
+    reference_images = None
+    if reference_stats.kind == "digits" and extractor.name == "specray-digits":
+        reference_images = digits_reference_images()  # lets torch-fidelity's calculate_metrics give the point FID
 
     arm_results: dict[str, dict[str, Any]] = {}
     accumulators: dict[str, ArmAccumulator] = {}
     bootstrap_fids: dict[str, np.ndarray] = {}
+    extraction_s = 0.0
     for arm in manifest.arm_names:
-        acc = _stream_arm(store, manifest, arm, extractor, options)
+        acc, seconds = _stream_arm(store, manifest, arm, extractor, options)
+        extraction_s += seconds
         fid, bootstrap_fids[arm] = _arm_fid(acc, reference_stats, reference_images, options)
         acc.bootstrap = None  # type: ignore[assignment]  # free B*d^2 floats before the next arm
         acc.images = None
         accumulators[arm] = acc
         arm_results[arm] = _arm_entry(arm, manifest, acc, fid)
+        arm_results[arm]["inception_score"] = acc.isc.result() if acc.isc is not None else None
+        arm_results[arm]["precision_recall"] = _precision_recall(acc, reference_stats, options)
+        acc.prc = None  # type: ignore[assignment]
 
     for arm, entry in arm_results.items():
         baseline = _baseline_for(arm, manifest, arm_results)
@@ -133,81 +172,112 @@ def reduce_run(
             "ci": list(ci),
             "within_noise": bool(ci[0] <= 0.0 <= ci[1]),
         }
-        base_calls = accumulators[baseline].totals.target_calls
-        entry["nfe_ratio"] = base_calls / accumulators[arm].totals.target_calls if accumulators[arm].totals.target_calls else None
-        pairing = "actor,shard,batch" if accumulators[arm].has_actor_column else "shard,batch (no actor column; a shard task runs on one actor)"
+        arm_acc, base_acc = accumulators[arm], accumulators[baseline]
+        nfe = ratio_with_paired_bootstrap(base_acc.totals.target_calls, arm_acc.totals.target_calls,
+                                          base_acc.target_calls_boot, arm_acc.target_calls_boot, options.confidence)
+        entry["nfe_ratio"] = nfe["value"]
+        entry["nfe_ratio_ci"] = nfe["ci"]
+        pairing = "actor,shard,batch" if arm_acc.has_actor_column else "shard,batch (no actor column; a shard task runs on one actor)"
         entry["speedup"] = speedup_over_baseline(
-            accumulators[arm].times,
-            accumulators[baseline].times,
+            arm_acc.times,
+            base_acc.times,
             drop_warmup=options.drop_warmup,
             num_replicates=options.speedup_replicates,
             seed=options.bootstrap_seed,
             confidence=options.confidence,
             pairing=pairing,
         ).to_dict()
+        entry["speedup"]["batch_size"] = manifest.batch_size
+        entry["speedup"]["latency"] = latency_speedup(
+            arm_acc.times, base_acc.times, drop_warmup=options.drop_warmup,
+            num_replicates=options.speedup_replicates, seed=options.bootstrap_seed, confidence=options.confidence,
+        )
 
     arms = [arm_results[a] for a in manifest.arm_names]
+    arm_infos = {a: {**manifest.arm_info(a), **{k: arm_results[a][k] for k in ("family", "method", "target", "draft")}}
+                 for a in manifest.arm_names}
+    spreads = seed_spread(arms, arm_infos, options.seed_spread_sd)
     from specray.eval.digits_features import weights_metadata
 
+    num_rows = sum(a["num_samples"] for a in arms)
     report: dict[str, Any] = {
         "format": REPORT_FORMAT,
         "run": run_dir,
         "job_id": manifest.raw.get("job_id"),
-        "num_rows": sum(a["num_samples"] for a in arms),
+        "num_rows": num_rows,
+        "checks": {"passed": checks is not None, "skipped": checks is None,
+                   "num_samples_per_arm": next(iter(checks.values())).rows if checks else None,
+                   "class_counts": {str(k): v for k, v in next(iter(checks.values())).class_counts.items()}
+                   if checks else None},
         "fid_setup": {
-            "feature_extractor": "specray-digits",
-            "feature_layer": "fc1",
-            "feature_dim": extractor.dim,
-            "reference": "digits (all 1797 images of sklearn load_digits, 0..16 -> 0..255)",
-            "reference_count": int(reference_images.shape[0]),
-            "extractor_heldout_accuracy": float(weights_metadata().get("heldout_accuracy", "nan")),
+            "feature_extractor": extractor.name,
+            "feature_layer": extractor.layers["fid"],
+            "feature_dim": extractor.fid_dim,
+            "isc_layer": extractor.layers["isc"] if options.isc else None,
+            "prc_layer": extractor.layers["prc"] if options.prc else None,
+            "reference": reference_stats.source,
+            "reference_kind": reference_stats.kind,
+            "reference_count": reference_stats.count,
+            "extractor_heldout_accuracy": float(weights_metadata().get("heldout_accuracy", "nan"))
+            if extractor.name == "specray-digits" else None,
             "bootstrap_replicates": options.bootstrap_replicates,
             "bootstrap_seed": options.bootstrap_seed,
             "confidence": options.confidence,
         },
         "options": dataclasses.asdict(options),
         "arms": arms,
+        "seed_spread": spreads,
+        "throughput": {"feature_extraction_s": extraction_s,
+                       "images_per_s": num_rows / extraction_s if extraction_s > 0 else None},
     }
     report["table"] = {"columns": list(TABLE_COLUMNS), "rows": table_rows(report)}
     report["grid"] = _write_grid(store, manifest.arm_names, accumulators)
     write_json(store, "report/report.json", report)
+    render_report_files(store, report, plots=options.plots)
     if print_table:
         print(format_table(report))
     return report
 
 
 def _stream_arm(
-    store: RunStore, manifest: RunManifest, arm: str, extractor: DigitsFeatureExtractor, options: ReduceOptions
-) -> ArmAccumulator:
+    store: RunStore, manifest: RunManifest, arm: str, extractor: ImageFeatureExtractor, options: ReduceOptions
+) -> tuple[ArmAccumulator, float]:
     acc = ArmAccumulator(
         name=arm,
-        feature_dim=extractor.dim,
+        feature_dim=extractor.fid_dim,
         bootstrap_replicates=options.bootstrap_replicates,
         bootstrap_seed=options.bootstrap_seed,
         grid_per_class=options.grid_per_class,
         image_budget_bytes=options.image_budget_bytes,
         nominal_batch_size=manifest.batch_size,
+        isc_classes=extractor.isc_dim if options.isc else 0,
+        isc_splits=options.isc_splits,
+        prc_max_samples=options.prc_max_samples if options.prc else 0,
     )
+    seconds = 0.0
     entries = sorted((e for e in manifest.shards if e.arm == arm), key=lambda e: e.shard)
     for entry in entries:
         rows = 0
         for batch in iter_shard_batches(store, entry, options.batch_rows):
+            began = time.perf_counter()
             images = decode_images(batch.column("image"))
-            features = extractor(torch.from_numpy(images))
+            features = extractor(images)
             acc.update(batch, entry.shard, images, features)
+            seconds += time.perf_counter() - began
             rows += batch.num_rows
         if entry.rows >= 0 and rows != entry.rows:
             raise ValueError(f"shard {entry.path}: manifest lists {entry.rows} rows, file has {rows}")
     if acc.totals.num_samples < 2:
         raise ValueError(f"arm {arm!r}: {acc.totals.num_samples} samples in the manifest's shards; FID needs at least 2")
-    return acc
+    return acc, seconds
 
 
 def _arm_fid(
-    acc: ArmAccumulator, reference_stats, reference_images: torch.Tensor, options: ReduceOptions
+    acc: ArmAccumulator, reference: ReferenceStatistics, reference_images: torch.Tensor | None, options: ReduceOptions
 ) -> tuple[dict[str, Any], np.ndarray]:
+    reference_stats = reference.stats
     streaming = frechet_distance(acc.moments.statistics(), reference_stats)
-    if acc.images is not None:
+    if acc.images is not None and reference_images is not None:
         images = torch.from_numpy(np.concatenate(acc.images))
         value = fid_torch_fidelity(images, reference_images, cuda=options.device.startswith("cuda"))
         source = "torch_fidelity.calculate_metrics"
@@ -228,8 +298,19 @@ def _arm_fid(
         "bootstrap_std": float(np.std(replicates, ddof=1)),
         "halves": halves,
         "diff_vs_baseline": None,
+        "seed_spread": None,
     }
     return fid, replicates
+
+
+def _precision_recall(acc: ArmAccumulator, reference: ReferenceStatistics, options: ReduceOptions) -> dict[str, Any] | None:
+    if not options.prc:
+        return None
+    generated = acc.prc.features()
+    if reference.prc_features is None or generated is None:
+        return {"available": False, "reason": f"reference {reference.kind!r} has statistics only, no features"
+                if reference.prc_features is None else "no generated features kept"}
+    return {"available": True, **precision_recall(generated, reference.prc_features, options.prc_neighborhood)}
 
 
 def _arm_entry(arm: str, manifest: RunManifest, acc: ArmAccumulator, fid: dict[str, Any]) -> dict[str, Any]:
@@ -255,8 +336,12 @@ def _arm_entry(arm: str, manifest: RunManifest, acc: ArmAccumulator, fid: dict[s
             "num_accepted_draft_tokens": totals.num_accepted_draft_tokens,
             "target_calls": totals.target_calls,
             "draft_calls": totals.draft_calls,
+            "accepted_length_histogram": totals.accepted_length_histogram,
+            "acceptance_timeline": totals.acceptance_timeline,
         },
+        "params": info.get("params"),
         "nfe_ratio": None,
+        "nfe_ratio_ci": None,
         "speedup": None,
     }
 

@@ -14,7 +14,10 @@ import numpy as np
 
 from specray.runtime.store import RunStore
 
-TABLE_COLUMNS = ("arm", "FID [95% CI]", "mean acc. length", "acc. rate", "speedup [95% CI]")
+TABLE_COLUMNS = (
+    "arm", "FID [95% CI]", "IS", "mean acc. length", "acc. rate", "speedup [95% CI]", "latency speedup @1 [95% CI]",
+    "NFE ratio [95% CI]",
+)
 
 
 def _fmt(value: float | None, digits: int = 3) -> str:
@@ -35,12 +38,17 @@ def table_rows(report: dict[str, Any]) -> list[list[str]]:
     for arm in report["arms"]:
         fid = arm.get("fid") or {}
         speed = arm.get("speedup") or {}
+        latency = speed.get("latency") or {}
+        isc = arm.get("inception_score") or {}
         rows.append([
             arm["arm"],
             _fmt_interval(fid.get("value"), fid.get("ci"), 2),
+            _fmt(isc.get("mean"), 2),
             _fmt(arm["acceptance"]["mean_acceptance_length"], 3),
             _fmt(arm["acceptance"]["draft_acceptance_rate"], 3),
-            _fmt_interval(speed.get("speedup"), speed.get("speedup_ci"), 2),
+            _fmt_interval(speed.get("throughput_speedup"), speed.get("throughput_ci"), 2),
+            _fmt_interval(latency.get("speedup"), latency.get("ci"), 2) if latency.get("available") else "-",
+            _fmt_interval(arm.get("nfe_ratio"), arm.get("nfe_ratio_ci"), 2),
         ])
     return rows
 
@@ -96,8 +104,133 @@ def grid_png(arm_names: list[str], images: dict[str, dict[int, tuple[int, np.nda
                     ax.set_title(f"{sid}\n(class {label})", fontsize=6)
             if c == 0:
                 ax.set_ylabel(arm, rotation=0, ha="right", va="center", fontsize=7)
-    fig.suptitle("same sample_ids across arms (columns: sample_id, class)", fontsize=8, y=1.0 + 0.35 / (0.6 * len(arm_names) + 0.5))
+    fig.suptitle("same sample_ids across arms (columns: sample_id, class)", fontsize=8)
+    fig.tight_layout(rect=(0, 0, 1, 0.97), pad=0.3)
     buffer = io.BytesIO()
     fig.savefig(buffer, format="png", dpi=110, bbox_inches="tight")
     plt.close(fig)
     return buffer.getvalue()
+
+
+# ---------------------------------------------------------------- report.md, plots, regenerate
+
+
+def markdown_table(columns: list[str] | tuple[str, ...], rows: list[list[str]]) -> str:
+    escape = lambda text: str(text).replace("|", "\\|")  # noqa: E731
+    lines = ["| " + " | ".join(escape(c) for c in columns) + " |", "|" + "|".join("---" for _ in columns) + "|"]
+    lines += ["| " + " | ".join(escape(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def render_markdown(report: dict[str, Any], plot_names: list[str]) -> str:
+    """report.md: setup, a table per family, FID-noise statements, plots and the grid."""
+    setup = report["fid_setup"]
+    lines = [f"# specray report: {report.get('job_id')}", "",
+             f"Run `{report.get('run')}`: {report.get('num_rows')} rows, {len(report['arms'])} arms.", "",
+             f"FID: {setup['feature_extractor']} features (`{setup['feature_layer']}`, {setup['feature_dim']}-dim) "
+             f"against {setup['reference']}"
+             + (f" ({setup['reference_count']} images)" if setup.get("reference_count") else "") + ". "
+             f"Intervals are {int(setup['confidence'] * 100)}% bootstrap intervals ({setup['bootstrap_replicates']} "
+             "Poisson replicates keyed by sample_id for FID and the NFE ratio; resampled paired batches for speedups)."]
+    checks = report.get("checks") or {}
+    if checks.get("passed"):
+        lines += ["", f"Pre-scoring checks passed: every arm has {checks.get('num_samples_per_arm')} samples, no "
+                      f"duplicate sample_ids or seeds, class balance {checks.get('class_counts')}."]
+    table = {tuple(r[:1]): r for r in table_rows(report)}
+    from specray.eval.plots import families
+
+    for family in families(report):
+        arms = [a for a in report["arms"] if a.get("family") == family]
+        lines += ["", f"## {family}", ""]
+        rows = [table[(a["arm"],)] for a in arms]
+        lines.append(markdown_table(TABLE_COLUMNS, rows))
+        lines += ["", "Speedup: throughput at the run's batch size (sum of paired batch wall times, warm-up "
+                      "batches dropped). Latency speedup needs batch size 1. NFE ratio: target calls of the "
+                      "baseline / of the arm.", ""]
+        for arm in arms:
+            diff = (arm.get("fid") or {}).get("diff_vs_baseline")
+            if diff and arm.get("baseline") and arm["arm"] != arm["baseline"]:
+                verdict = "within bootstrap noise" if diff["within_noise"] else "outside bootstrap noise"
+                text = (f"- `{arm['arm']}`: FID − `{arm['baseline']}` = {_fmt(diff['value'], 2)} "
+                        f"[{_fmt(diff['ci'][0], 2)}, {_fmt(diff['ci'][1], 2)}] (paired bootstrap): {verdict}")
+                spread = (arm.get("fid") or {}).get("seed_spread")
+                if spread:
+                    text += (f"; seed spread of target_only over {spread['num_seeds']} seeds: "
+                             f"{_fmt(spread['mean'], 2)} ± {_fmt(spread['sd'], 2)} → "
+                             + ("within" if spread["within"] else "outside") + " 2 sd")
+                lines.append(text)
+    spreads = report.get("seed_spread") or []
+    if spreads:
+        lines += ["", "## Seed-to-seed spread", "",
+                  "target_only replicas at other seeds (`seed_offset`). Criterion for a lossless arm: "
+                  "|FID − mean| ≤ 2·sd (sd over the seeds, ddof=1).", ""]
+        for record in spreads:
+            lines.append(f"- {record['family']}/{record['target']}: arms {record['arms']} FIDs "
+                         f"{[round(v, 2) for v in record['fids']]}: mean {_fmt(record['mean'], 2)}, "
+                         f"sd {_fmt(record['sd'], 2)}")
+            for arm, verdict in record["lossless_arms"].items():
+                lines.append(f"  - `{arm}`: z = {_fmt(verdict['z'], 2)} → "
+                             + ("within the seed spread" if verdict["within"] else "OUTSIDE the seed spread"))
+    prcs = [(a["arm"], a.get("precision_recall")) for a in report["arms"] if a.get("precision_recall")]
+    if prcs:
+        lines += ["", "## Precision / recall", ""]
+        rows = [[arm, _fmt(p.get("precision"), 3), _fmt(p.get("recall"), 3), str(p.get("num_generated", "-"))]
+                if p.get("available") else [arm, "-", "-", p.get("reason", "")] for arm, p in prcs]
+        lines.append(markdown_table(["arm", "precision", "recall", "samples"], rows))
+    lines += ["", "## Plots", ""]
+    for name in plot_names:
+        lines.append(f"![{name}]({name})")
+    if "acceptance-timeline.png" not in plot_names:
+        lines += ["", "Acceptance over the timeline: not stored by this run's loops "
+                      "(needs `extra_stats.acceptance_timeline = {accepted: [...], drafted: [...]}` per sample)."]
+    grid = report.get("grid") or {}
+    if grid.get("path"):
+        lines += ["", "## Samples", "", f"Same sample_ids in every row: {grid.get('sample_ids')}", "",
+                  f"![grid]({grid['path'].split('/', 1)[-1]})"]
+    return "\n".join(lines) + "\n"
+
+
+def render_report_files(store: RunStore, report: dict[str, Any], plots: bool = True) -> list[str]:
+    """Write report/report.md and the plots (from the report dict); returns the plot file names."""
+    from specray.eval.plots import all_plots
+
+    names = []
+    if plots:
+        for name, png in all_plots(report).items():
+            store.commit_bytes(f"report/{name}", png)
+            names.append(name)
+    store.commit_bytes("report/report.md", render_markdown(report, names).encode())
+    return names
+
+
+def regenerate(run_dir: str, storage_options: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Re-render report.md, the plots and the grid from report/report.json and the shards (no rescoring)."""
+    from specray.eval.shards import decode_images, iter_shard_batches, read_manifest
+
+    store = RunStore(run_dir, storage_options)
+    report = store.read_json("report/report.json")
+    if report is None:
+        raise FileNotFoundError(f"{store.full_path('report/report.json')} not found; run `specray reduce {run_dir}` first")
+    manifest = read_manifest(store)
+    grid = report.get("grid") or {}
+    wanted = set(grid.get("sample_ids") or [])
+    arms = grid.get("arms") or manifest.arm_names
+    kept: dict[str, dict[int, tuple[int, np.ndarray]]] = {arm: {} for arm in arms}
+    for entry in manifest.shards:
+        if entry.arm not in kept or not wanted:
+            continue
+        for batch in iter_shard_batches(store, entry):
+            ids = batch.column("sample_id").to_numpy()
+            rows = [i for i, sid in enumerate(ids.tolist()) if sid in wanted]
+            if not rows:
+                continue
+            sub = batch.take(rows)
+            images = decode_images(sub.column("image"))
+            for sid, label, image in zip(sub.column("sample_id").to_pylist(), sub.column("class_label").to_pylist(), images):
+                kept[entry.arm][int(sid)] = (int(label), image)
+    if wanted:
+        store.commit_bytes("report/grid.png", grid_png(arms, kept, list(grid["sample_ids"])))
+    report["table"] = {"columns": list(TABLE_COLUMNS), "rows": table_rows(report)}
+    write_json(store, "report/report.json", report)
+    render_report_files(store, report, plots=(report.get("options") or {}).get("plots", True))
+    return report

@@ -26,7 +26,7 @@ STAT_COLUMNS = (
     "accepted_per_position", "target_calls", "draft_calls", "batch_size", "batch_wall_time_s",
     "sample_wall_time_s", "device",
 )
-OPTIONAL_COLUMNS = ("actor",)
+OPTIONAL_COLUMNS = ("actor", "seed", "extra_stats")
 
 
 @dataclass(frozen=True)

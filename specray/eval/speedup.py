@@ -126,3 +126,55 @@ def speedup_over_baseline(
         warmup_dropped=warmup_dropped,
         pairing=pairing,
     )
+
+
+# ---------------------------------------------------------------- latency at batch 1, NFE ratio
+
+
+def latency_speedup(
+    arm: BatchTimes,
+    baseline: BatchTimes,
+    *,
+    drop_warmup: bool = True,
+    num_replicates: int = 1000,
+    seed: int = 0,
+    confidence: float = 0.95,
+) -> dict[str, Any]:
+    """Latency speedup at batch 1: per-sample wall times paired by (actor, shard, sample_id).
+
+    At batch size 1 a batch record *is* one sample's latency, and the batch key of a
+    sample is its sample_id, so pairs are the same sample on the same actor. The value
+    is mean baseline latency / mean arm latency over the pairs (with the warm-up
+    batches dropped), with a bootstrap interval over paired samples; the median
+    per-sample ratio is given beside it. Runs at a larger batch size have no latency
+    measurement (a sample's wall time is the batch's share): ``available`` is false.
+    """
+    sizes = set(arm.rows.values()) | set(baseline.rows.values())
+    if sizes != {1}:
+        return {"available": False,
+                "reason": f"latency needs batch size 1; this run's batches hold {sorted(sizes)[-1] if sizes else 0} "
+                          "samples (run a job with batch_size: 1 for latency)"}
+    result = speedup_over_baseline(arm, baseline, drop_warmup=drop_warmup, num_replicates=num_replicates,
+                                   seed=seed, confidence=confidence, pairing="actor,shard,sample_id")
+    return {"available": True, "speedup": result.throughput_speedup, "ci": list(result.throughput_ci),
+            "median_ratio": result.speedup, "median_ratio_ci": list(result.speedup_ci),
+            "num_pairs": result.num_pairs, "warmup_dropped": result.warmup_dropped}
+
+
+def ratio_with_paired_bootstrap(
+    baseline_total: float, arm_total: float, baseline_replicates: np.ndarray, arm_replicates: np.ndarray,
+    confidence: float = 0.95,
+) -> dict[str, Any]:
+    """``baseline_total / arm_total`` with the percentile interval of the replicate ratios.
+
+    The replicate sums come from the same Poisson weights keyed by sample_id in both
+    arms (``ArmAccumulator.target_calls_boot``), so each replicate resamples the same
+    samples in both: a paired bootstrap of the ratio of totals.
+    """
+    from specray.eval.bootstrap import percentile_interval
+
+    if not arm_total:
+        return {"value": None, "ci": [None, None]}
+    ok = arm_replicates > 0
+    ratios = baseline_replicates[ok] / arm_replicates[ok]
+    return {"value": float(baseline_total / arm_total), "ci": list(percentile_interval(ratios, confidence))}

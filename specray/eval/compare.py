@@ -1,0 +1,114 @@
+"""Compare two reduced runs (e.g. last night against tonight), arm by arm, from their report.json.
+
+For every arm in both runs: FID, IS, mean acceptance length, acceptance rate,
+throughput speedup and NFE ratio of each run, their difference (B - A), and for
+FID and speedup whether the two 95% intervals overlap (``changed`` is true when
+they do not: a difference beyond either run's own noise). Arms present in one
+run only are listed. Nothing is rescored; both runs must have been reduced.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from specray.eval.report import _fmt, markdown_table
+from specray.runtime.store import RunStore
+
+METRICS = (
+    # name, path into an arm entry, interval path (or None)
+    ("fid", ("fid", "value"), ("fid", "ci")),
+    ("inception_score", ("inception_score", "mean"), None),
+    ("mean_acceptance_length", ("acceptance", "mean_acceptance_length"), None),
+    ("draft_acceptance_rate", ("acceptance", "draft_acceptance_rate"), None),
+    ("throughput_speedup", ("speedup", "throughput_speedup"), ("speedup", "throughput_ci")),
+    ("nfe_ratio", ("nfe_ratio",), ("nfe_ratio_ci",)),
+)
+
+
+def _get(entry: dict[str, Any], path: tuple[str, ...]) -> Any:
+    value: Any = entry
+    for key in path:
+        if not isinstance(value, dict):
+            return None
+        value = value.get(key)
+    return value
+
+
+def _finite(value: Any) -> bool:
+    return isinstance(value, (int, float)) and math.isfinite(value)
+
+
+def _load(run: str, storage_options: dict[str, Any] | None) -> dict[str, Any]:
+    report = RunStore(run, storage_options).read_json("report/report.json")
+    if report is None:
+        raise FileNotFoundError(f"{run}: no report/report.json; run `specray reduce {run}` first")
+    return report
+
+
+def compare_reports(report_a: dict[str, Any], report_b: dict[str, Any]) -> dict[str, Any]:
+    arms_a = {a["arm"]: a for a in report_a["arms"]}
+    arms_b = {a["arm"]: a for a in report_b["arms"]}
+    common = [name for name in arms_a if name in arms_b]
+    rows = []
+    for name in common:
+        a, b = arms_a[name], arms_b[name]
+        metrics: dict[str, Any] = {}
+        for metric, path, ci_path in METRICS:
+            va, vb = _get(a, path), _get(b, path)
+            record: dict[str, Any] = {"a": va, "b": vb, "diff": vb - va if _finite(va) and _finite(vb) else None}
+            if ci_path is not None:
+                ca, cb = _get(a, ci_path), _get(b, ci_path)
+                record["ci_a"], record["ci_b"] = ca, cb
+                if ca and cb and all(_finite(v) for v in (*ca, *cb)):
+                    overlap = ca[0] <= cb[1] and cb[0] <= ca[1]
+                    record["intervals_overlap"] = overlap
+                    record["changed"] = not overlap
+            metrics[metric] = record
+        rows.append({"arm": name, "method": b.get("method"), "family": b.get("family"), "metrics": metrics})
+    setup_keys = ("feature_extractor", "feature_layer", "reference")
+    setup_a, setup_b = report_a.get("fid_setup") or {}, report_b.get("fid_setup") or {}
+    return {
+        "run_a": report_a.get("run"), "run_b": report_b.get("run"),
+        "job_a": report_a.get("job_id"), "job_b": report_b.get("job_id"),
+        "fid_setup_differs": {k: [setup_a.get(k), setup_b.get(k)] for k in setup_keys if setup_a.get(k) != setup_b.get(k)},
+        "arms": rows,
+        "only_in_a": [n for n in arms_a if n not in arms_b],
+        "only_in_b": [n for n in arms_b if n not in arms_a],
+        "changed": [r["arm"] for r in rows if any(m.get("changed") for m in r["metrics"].values())],
+    }
+
+
+def compare_runs(run_a: str, run_b: str, storage_options: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Differences of run B against run A (both already reduced)."""
+    return compare_reports(_load(run_a, storage_options), _load(run_b, storage_options))
+
+
+def compare_markdown(comparison: dict[str, Any]) -> str:
+    lines = [f"# specray compare: {comparison['run_a']} (A) → {comparison['run_b']} (B)", ""]
+    if comparison["fid_setup_differs"]:
+        lines += [f"**FID setups differ** ({comparison['fid_setup_differs']}): FID values are not comparable.", ""]
+    columns = ["arm"] + [f"{m} A → B (Δ)" for m, *_ in METRICS] + ["changed"]
+    rows = []
+    for row in comparison["arms"]:
+        cells = [row["arm"]]
+        for metric, *_ in METRICS:
+            record = row["metrics"][metric]
+            text = f"{_fmt(record['a'], 3)} → {_fmt(record['b'], 3)} ({_signed(record['diff'])})"
+            if record.get("changed"):
+                text += " ⚠"
+            cells.append(text)
+        changed = [m for m, r in row["metrics"].items() if r.get("changed")]
+        cells.append(", ".join(changed) if changed else "-")
+        rows.append(cells)
+    lines.append(markdown_table(columns, rows))
+    lines += ["", "⚠: the two runs' 95% intervals do not overlap (a change beyond either run's noise)."]
+    if comparison["only_in_a"]:
+        lines.append(f"Arms only in A: {comparison['only_in_a']}")
+    if comparison["only_in_b"]:
+        lines.append(f"Arms only in B: {comparison['only_in_b']}")
+    return "\n".join(lines) + "\n"
+
+
+def _signed(value: Any) -> str:
+    return "-" if not _finite(value) else f"{value:+.3f}"

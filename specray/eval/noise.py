@@ -1,0 +1,79 @@
+"""Is an arm's FID "within noise" of target_only's? Seed-to-seed spread from replica arms.
+
+Replicas: arms that differ from a ``target_only`` arm only in ``seed_offset``
+(same family/target/draft/method/params otherwise; ``checks.replica_key``).
+Together with the base arm they give ``k >= 2`` FIDs of the same sampler at
+independent seeds; their mean and sample standard deviation (ddof=1) measure
+seed-to-seed spread at this sample count.
+
+Criterion (documented in report.md): a lossless arm is within the seed spread
+when ``|FID_arm - mean| <= 2 * sd``. With few seeds the sd is itself noisy (at
+k=2 it is |a-b|/sqrt(2)), so the report states k next to the verdict; the
+paired-bootstrap difference interval (``fid.diff_vs_baseline``) is the second,
+seed-free statement of the same question.
+
+Lossless methods (their samples follow the target's distribution exactly):
+``sd`` and ``block`` (discrete token / block verification), ``cspd`` with
+``mode: exact``, and the diffusion family's speculative methods unless their
+params say ``mode`` other than ``exact``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from specray.eval.checks import replica_key, seed_offset
+
+WITHIN_SD = 2.0
+LOSSLESS_DISCRETE = ("sd", "block")
+
+
+def is_lossless(family: str | None, method: str | None, params: dict[str, Any] | None) -> bool:
+    params = params or {}
+    if method in (None, "target_only"):
+        return False
+    if family == "discrete_ar":
+        return method in LOSSLESS_DISCRETE
+    if family == "continuous_ar":
+        return method == "cspd" and params.get("mode", "exact") == "exact"
+    if family == "diffusion":
+        return params.get("mode", "exact") == "exact"
+    return False
+
+
+def seed_spread(arm_entries: list[dict[str, Any]], arm_infos: dict[str, dict[str, Any]],
+                within_sd: float = WITHIN_SD) -> list[dict[str, Any]]:
+    """One record per target_only replica group with >= 2 seeds; marks each arm entry's ``fid.seed_spread``."""
+    fid_of = {e["arm"]: (e.get("fid") or {}).get("value") for e in arm_entries}
+    groups: dict[str, list[str]] = {}
+    for entry in arm_entries:
+        info = arm_infos.get(entry["arm"], {})
+        if info.get("method") == "target_only":
+            groups.setdefault(replica_key(info), []).append(entry["arm"])
+    records = []
+    for arms in groups.values():
+        values = [fid_of[a] for a in arms if fid_of[a] is not None and math.isfinite(fid_of[a])]
+        if len(values) < 2:
+            continue
+        mean = sum(values) / len(values)
+        sd = math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1))
+        info = arm_infos[arms[0]]
+        record = {"family": info.get("family"), "target": info.get("target"), "arms": arms,
+                  "seed_offsets": [seed_offset(arm_infos[a]) for a in arms], "fids": values,
+                  "mean": mean, "sd": sd, "num_seeds": len(values), "min": min(values), "max": max(values),
+                  "criterion": f"|FID - mean| <= {within_sd:g} * sd", "lossless_arms": {}}
+        for entry in arm_entries:
+            ainfo = arm_infos.get(entry["arm"], {})
+            if (ainfo.get("family"), ainfo.get("target")) != (info.get("family"), info.get("target")):
+                continue
+            if not is_lossless(ainfo.get("family"), ainfo.get("method"), ainfo.get("params")):
+                continue
+            value = fid_of[entry["arm"]]
+            within = value is not None and abs(value - mean) <= within_sd * sd
+            verdict = {"group": arms[0], "mean": mean, "sd": sd, "num_seeds": len(values),
+                       "z": (value - mean) / sd if value is not None and sd > 0 else None, "within": bool(within)}
+            record["lossless_arms"][entry["arm"]] = verdict
+            entry["fid"]["seed_spread"] = verdict
+        records.append(record)
+    return records
