@@ -1,0 +1,102 @@
+"""Token and block verification of drafted Gaussian denoising steps (spec_diffusion.md sections 3 and 5).
+
+All inputs are per-row, per-draft-position scalars on ``[n, G]`` float64 tensors;
+positions ``j >= g[row]`` are padding and never used. Column ``j`` is the transition out
+of draft state ``y_j`` (step ``k + j``): ``Delta_j = B (eps_draft_j - eps_target_j) / sigma``,
+``log rho_j = log q_j(y_{j+1}) - log p_j(y_{j+1}) = -<Delta_j, xi_j> - |Delta_j|^2 / 2``.
+
+Both rules return ``tau``: the number of accepted draft steps (``tau == g`` means the whole
+block was accepted; otherwise the state ``y_{tau+1}`` is replaced by a residual draw whose
+weight is ``exp(log_alpha)``: 1 for token verification, ``w_tau`` for block verification).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specray.methods.gaussian_residual import DELTA_MIN, log1mexp, log_residual_mass
+
+
+@dataclass
+class Verdict:
+    tau: torch.Tensor  # int64 [n], accepted draft steps
+    log_alpha: torch.Tensor  # float64 [n], log weight of the residual at the cut (0 when tau == g)
+    expected_advance: torch.Tensor  # float64 [n], Rao-Blackwellised advance sum_{i<g} w_i (block) or v_i (token)
+
+
+def log_ratio(Delta: torch.Tensor, xi: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(log rho, delta)`` on ``[n, G]`` from ``Delta, xi`` of shape ``[n, G, ...]`` (float64 sums).
+
+    Written as ``-<Delta, xi> - delta^2/2`` rather than a difference of squared norms, which
+    would cancel catastrophically in high dimension (spec 3.1).
+    """
+    D = Delta.flatten(2).to(torch.float64)
+    X = xi.flatten(2).to(torch.float64)
+    sq = (D * D).sum(dim=2)
+    return -(D * X).sum(dim=2) - 0.5 * sq, torch.sqrt(sq)
+
+
+def _valid(g: torch.Tensor, G: int) -> torch.Tensor:
+    return torch.arange(G, device=g.device)[None, :] < g[:, None]
+
+
+def token_verify(log_rho: torch.Tensor, delta: torch.Tensor, g: torch.Tensor, eta: torch.Tensor) -> Verdict:
+    """Sequential acceptance: step j is accepted iff ``eta_j <= min(1, rho_j)``; stop at the first rejection."""
+    n, G = log_rho.shape
+    log_rho = torch.where(delta <= DELTA_MIN, torch.zeros_like(log_rho), log_rho)  # identical kernels
+    valid = _valid(g, G)
+    accept = (torch.log(eta) <= log_rho) | ~valid
+    rejected_before = torch.cumsum((~accept).to(torch.int64), dim=1) > 0
+    tau = torch.where(rejected_before.any(dim=1), (~rejected_before).sum(dim=1), g)
+    log_v = torch.cumsum(torch.where(valid, log_rho.clamp(max=0.0), torch.zeros_like(log_rho)), dim=1)
+    v_prev = torch.cat([torch.ones(n, 1, dtype=torch.float64, device=log_rho.device), log_v[:, :-1].exp()], dim=1)
+    expected = torch.where(valid, v_prev, torch.zeros_like(v_prev)).sum(dim=1)
+    return Verdict(tau=tau, log_alpha=torch.zeros(n, dtype=torch.float64, device=log_rho.device), expected_advance=expected)
+
+
+def block_weights(log_rho: torch.Tensor, delta: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``log w`` on ``[n, G+1]`` (``w_0 = 1``, ``w_j = min(1, w_{j-1} rho_j)``) and ``h`` on ``[n, G+1]``.
+
+    ``h_i = R_i / (R_i + 1 - w_i)`` for ``i < g`` with ``R_i = Z_{w_i}(delta_{i+1})`` the mass of
+    ``(w_i q - p)^+`` (``h_i = 1`` when ``w_i = 1``), and ``h_g = w_g``; entries past ``g`` are 0.
+    """
+    n, G = log_rho.shape
+    tiny = delta <= DELTA_MIN
+    log_rho = torch.where(tiny, torch.zeros_like(log_rho), log_rho)
+    valid = _valid(g, G)
+    log_w = torch.zeros(n, G + 1, dtype=torch.float64, device=log_rho.device)
+    for j in range(G):
+        step = torch.clamp(log_w[:, j] + log_rho[:, j], max=0.0)
+        log_w[:, j + 1] = torch.where(valid[:, j], step, log_w[:, j])
+    lw = log_w[:, :G]
+    safe_delta = torch.where(tiny, torch.ones_like(delta), delta)
+    log_R = torch.where(tiny, torch.full_like(delta, -torch.inf), log_residual_mass(safe_delta, lw))
+    log_one_minus_w = log1mexp(torch.clamp(lw, max=-1e-300))
+    h_inner = torch.where(lw >= 0, torch.ones_like(lw), torch.sigmoid(log_R - log_one_minus_w))
+    h = torch.zeros(n, G + 1, dtype=torch.float64, device=log_rho.device)
+    h[:, :G] = torch.where(valid, h_inner, torch.zeros_like(h_inner))
+    rows = torch.arange(n, device=g.device)
+    h[rows, g] = log_w[rows, g].exp()
+    return log_w, h
+
+
+def block_verify(log_rho: torch.Tensor, delta: torch.Tensor, g: torch.Tensor, eta: torch.Tensor) -> Verdict:
+    """Block verification (S25 Algorithm 2 with the Gaussian closed form of R_i, spec 5.1).
+
+    ``eta[:, j]`` is the coin of index ``i = j + 1`` (``eta_0 = 0``, so ``tau = 0`` always qualifies);
+    ``tau = max{i in 0..g : eta_i <= h_i}``; the residual at the cut has weight ``alpha = w_tau``.
+    """
+    n, G = log_rho.shape
+    log_w, h = block_weights(log_rho, delta, g)
+    coins = torch.cat([torch.zeros(n, 1, dtype=torch.float64, device=eta.device), eta.to(torch.float64)], dim=1)
+    index = torch.arange(G + 1, device=g.device)[None, :]
+    passes = (coins <= h) & (index <= g[:, None])
+    passes[:, 0] = True
+    tau = torch.where(passes, index, torch.zeros_like(index)).max(dim=1).values
+    rows = torch.arange(n, device=g.device)
+    valid = _valid(g, G)
+    expected = torch.where(valid, log_w[:, :G].exp(), torch.zeros(n, G, dtype=torch.float64, device=g.device)).sum(dim=1)
+    log_alpha = torch.where(tau < g, log_w[rows, tau], torch.zeros_like(log_w[:, 0]))
+    return Verdict(tau=tau, log_alpha=log_alpha, expected_advance=expected)

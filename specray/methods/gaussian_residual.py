@@ -1,0 +1,200 @@
+"""The one-step sampler for the generalised residual (alpha q - p)^+ of two isotropic Gaussians.
+
+``q = N(m_q, sigma^2 I)``, ``p = N(m_p, sigma^2 I)``, ``alpha in (0, 1]`` (spec_diffusion.md section 4).
+With ``Delta = (m_p - m_q) / sigma``, ``delta = |Delta|``, ``e = Delta / delta`` and
+``z = (y - m_q) / sigma``, the residual factorises: ``s = <e, z>`` follows the 1-D law
+``psi_alpha(s; delta) ∝ (alpha phi(s) - phi(s - delta))^+`` and ``z_perp ~ N(0, I - e e^T)``
+independently. ``s`` is drawn by inverse CDF (fixed 60-step bisection in log space, float64),
+so there is no network call and no random run time.
+
+All scalar math (delta, c_alpha, log Z, the bisection) is float64, as the spec requires.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+# Below this normalised mean gap the two kernels are treated as identical (spec 4.5.1).
+DELTA_MIN = 1e-10
+BISECTION_STEPS = 60
+NEWTON_STEPS = 16
+_LOG_HALF = -math.log(2.0)
+_TAIL = 30.0
+_HALF_LOG_2PI = 0.5 * math.log(2 * math.pi)
+_SQRT_HALF = math.sqrt(0.5)  # beyond -_TAIL the left-tail expansion of log Phi is used for differences
+
+
+def log1mexp(x: torch.Tensor) -> torch.Tensor:
+    """``log(1 - exp(x))`` for ``x < 0``, accurate on both sides of -ln 2."""
+    return torch.where(x > _LOG_HALF, torch.log(-torch.expm1(x)), torch.log1p(-torch.exp(x)))
+
+
+def log_ndtr(x: torch.Tensor) -> torch.Tensor:
+    """``log Phi(x)`` in float64: ``log(erfc(-x/sqrt 2)/2)`` above -30 (relatively accurate there
+    and several times faster than ``torch.special.log_ndtr`` on CPU; note ``torch.special.ndtr``
+    is not relatively accurate for negative x), the left-tail expansion below."""
+    head = torch.log(0.5 * torch.special.erfc(torch.clamp(x, min=-_TAIL) * -_SQRT_HALF))
+    if not bool((x < -_TAIL).any()):
+        return head
+    t = torch.clamp(x, max=-_TAIL)
+    tail = -0.5 * t * t - torch.log(-t) - _HALF_LOG_2PI + _log_mills_series(t)
+    return torch.where(x < -_TAIL, tail, head)
+
+
+def threshold(delta: torch.Tensor, log_alpha: torch.Tensor) -> torch.Tensor:
+    """``c_alpha = delta/2 + ln(alpha)/delta``: the residual lives on ``s < c_alpha``."""
+    return delta / 2 + log_alpha / delta
+
+
+def _log_mills_series(x: torch.Tensor) -> torch.Tensor:
+    """``log r(x)`` with ``Phi(x) = phi(x) r(x) / (-x)`` for ``x << 0`` (asymptotic series)."""
+    x2 = 1.0 / (x * x)
+    return torch.log1p(x2 * (-1 + x2 * (3 + x2 * (-15 + x2 * 105))))
+
+
+def _log_G_offset(v: torch.Tensor, c: torch.Tensor, delta: torch.Tensor, log_alpha: torch.Tensor) -> torch.Tensor:
+    """``log G`` at ``s = c + v`` (``v <= 0``), parametrised by the offset from the threshold.
+
+    ``log G(s) = ln alpha + log Phi(s) + log1mexp(log Phi(s - delta) - log Phi(s) - ln alpha)``.
+    For ``s < -30`` the two ``log Phi`` are O(s^2) and their difference would lose every
+    digit, so it is taken from the left-tail expansion, where it simplifies exactly to
+    ``delta v - log1p(delta / -s) + log r(s - delta) - log r(s)`` (using ``c delta = delta^2/2 + ln alpha``).
+    """
+    s = c + v
+    log_phi_s = log_ndtr(s)
+    inner = log_ndtr(s - delta) - log_phi_s - log_alpha
+    far = s < -_TAIL
+    if bool(far.any()):
+        t = torch.clamp(s, max=-_TAIL)
+        tail = delta * v - torch.log1p(delta / (-t)) + _log_mills_series(t - delta) - _log_mills_series(t)
+        inner = torch.where(far, tail, inner)
+    return log_alpha + log_phi_s + log1mexp(inner.clamp(max=0.0))
+
+
+def log_G(s: torch.Tensor, delta: torch.Tensor, log_alpha: torch.Tensor) -> torch.Tensor:
+    """``log(alpha Phi(s) - Phi(s - delta))`` for ``s <= c_alpha`` (where it is increasing; ``G(c_alpha) = Z_alpha``)."""
+    c = threshold(delta, log_alpha)
+    return _log_G_offset(s - c, c, delta, log_alpha)
+
+
+def log_residual_mass(delta: torch.Tensor, log_alpha: torch.Tensor) -> torch.Tensor:
+    """``log Z_alpha = log ∫ (alpha phi(s) - phi(s - delta))^+ ds`` (= log TV for alpha = 1)."""
+    delta, log_alpha = _as_f64(delta, log_alpha)
+    c = threshold(delta, log_alpha)
+    return _log_G_offset(torch.zeros_like(c), c, delta, log_alpha)
+
+
+def residual_cdf(s: torch.Tensor, delta: torch.Tensor, log_alpha: torch.Tensor) -> torch.Tensor:
+    """``F_alpha(s)`` of psi_alpha (1 for ``s >= c_alpha``)."""
+    s, delta, log_alpha = _as_f64(s, delta, log_alpha)
+    c = threshold(delta, log_alpha)
+    inside = torch.exp(log_G(torch.minimum(s, c), delta, log_alpha) - log_G(c, delta, log_alpha))
+    return torch.where(s >= c, torch.ones_like(inside), inside)
+
+
+def residual_moments(delta: torch.Tensor, log_alpha: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(E[s], E[s^2])`` under psi_alpha (spec 4.2)."""
+    delta, log_alpha = _as_f64(delta, log_alpha)
+    c = threshold(delta, log_alpha)
+    Z = torch.exp(log_residual_mass(delta, log_alpha))
+    phi_cd = torch.exp(-0.5 * (c - delta) ** 2) / math.sqrt(2 * math.pi)
+    Phi_cd = torch.special.ndtr(c - delta)
+    return -delta * Phi_cd / Z, 1 + delta * (phi_cd - delta * Phi_cd) / Z
+
+
+def sample_psi(delta: torch.Tensor, log_alpha: torch.Tensor, u: torch.Tensor, method: str = "newton") -> torch.Tensor:
+    """Inverse-CDF draw ``s ~ psi_alpha(.; delta)`` from uniforms ``u`` in (0, 1] (float64, broadcast).
+
+    Solves ``log G(s) = log u + log Z`` on the bracket ``[Phi^-1(u Z / alpha), c_alpha]`` (the lower
+    end via ``-sqrt(-2a)`` when ``a = log(u Z / alpha) < -600``: ``Phi(-sqrt(-2a)) < e^a``).
+    ``method="bisection"``: 60 fixed bisection steps (spec 4.3). ``method="newton"`` (default):
+    ``NEWTON_STEPS`` Newton steps on the concave ``log G`` from the bracket's lower end, falling back
+    to bisection whenever a step leaves the bracket (e.g. near u -> 1 where G' -> 0); the same
+    root in a quarter of the tensor operations, which matters because the loop calls this once
+    per round.
+    Both work on the offset ``v = s - c`` (full precision when ``|c|`` is huge).
+    """
+    if method not in ("newton", "bisection"):
+        raise ValueError(f"method must be 'newton' or 'bisection', got {method!r}")
+    delta, log_alpha, u = _as_f64(delta, log_alpha, u)
+    delta, log_alpha, u = torch.broadcast_tensors(delta, log_alpha, u)
+    c = threshold(delta, log_alpha)
+    target = torch.log(u) + _log_G_offset(torch.zeros_like(c), c, delta, log_alpha)
+    a = target - log_alpha
+    far = a < -600.0
+    lo = torch.where(far, -torch.sqrt(-2 * a), torch.special.ndtri(torch.exp(torch.where(far, torch.zeros_like(a), a))))
+    lo = torch.clamp(lo - c, max=0.0)
+    hi = torch.zeros_like(c)
+    if method == "bisection":
+        for _ in range(BISECTION_STEPS):
+            mid = 0.5 * (lo + hi)
+            above = _log_G_offset(mid, c, delta, log_alpha) > target
+            hi = torch.where(above, mid, hi)
+            lo = torch.where(above, lo, mid)
+        return c + 0.5 * (lo + hi)
+    # psi_alpha is log-concave, so log G is concave: Newton started left of the root (at the
+    # bracket's lower end) climbs monotonically to it without overshooting.
+    v = lo.clone()
+    for _ in range(NEWTON_STEPS):
+        log_g = _log_G_offset(v, c, delta, log_alpha)
+        f = log_g - target
+        above = f > 0
+        hi = torch.where(above, v, hi)
+        lo = torch.where(above, lo, v)
+        s = c + v
+        # d/ds log G = alpha phi(s) (1 - e^{delta v}) / G
+        log_dg = log_alpha - 0.5 * s * s - _HALF_LOG_2PI + log1mexp(torch.clamp(delta * v, max=-1e-300))
+        step = f * torch.exp(log_g - log_dg)
+        v_new = v - step
+        inside = (v_new >= lo) & (v_new <= hi) & torch.isfinite(v_new)
+        v = torch.where(inside, v_new, 0.5 * (lo + hi))
+    return c + v
+
+
+def sample_residual(
+    m_q: torch.Tensor,
+    Delta: torch.Tensor,
+    sigma: torch.Tensor,
+    log_alpha: torch.Tensor,
+    u: torch.Tensor,
+    zeta: torch.Tensor,
+) -> torch.Tensor:
+    """Draw ``y ~ (alpha q - p)^+`` per row (spec 4.6).
+
+    ``m_q, Delta, zeta``: ``[n, ...]`` (any trailing shape, flattened internally);
+    ``sigma, log_alpha, u``: ``[n]``. ``zeta`` is a standard normal (fresh, or the rejected
+    draft's own normalised noise: reusing its orthogonal part is exact, spec 4.4).
+    Rows with ``delta <= DELTA_MIN`` draw from ``q`` (spec 4.5.1). Returns ``m_q``'s dtype.
+    """
+    n = m_q.shape[0]
+    D = Delta.reshape(n, -1).to(torch.float64)
+    Z = zeta.reshape(n, -1).to(torch.float64)
+    delta = torch.linalg.vector_norm(D, dim=1)
+    tiny = delta <= DELTA_MIN
+    safe_delta = torch.where(tiny, torch.ones_like(delta), delta)
+    e = D / safe_delta[:, None]
+    s = sample_psi(safe_delta, log_alpha, u)
+    z_perp = Z - (Z * e).sum(dim=1, keepdim=True) * e
+    z = torch.where(tiny[:, None], Z, s[:, None] * e + z_perp)
+    y = m_q.reshape(n, -1).to(torch.float64) + sigma.to(torch.float64)[:, None] * z
+    return y.reshape(m_q.shape).to(m_q.dtype)
+
+
+def reflect(m_q: torch.Tensor, Delta: torch.Tensor, sigma: torch.Tensor, xi: torch.Tensor) -> torch.Tensor:
+    """Reflection maximal coupling (P25): map the rejected draft ``m_p + sigma xi`` to
+    ``m_q + sigma (xi - 2 <e, xi> e)``. Exact only for token verification (alpha = 1)."""
+    n = m_q.shape[0]
+    D = Delta.reshape(n, -1).to(torch.float64)
+    X = xi.reshape(n, -1).to(torch.float64)
+    delta = torch.linalg.vector_norm(D, dim=1)
+    e = D / torch.where(delta <= DELTA_MIN, torch.ones_like(delta), delta)[:, None]
+    z = X - 2 * (X * e).sum(dim=1, keepdim=True) * e
+    y = m_q.reshape(n, -1).to(torch.float64) + sigma.to(torch.float64)[:, None] * z
+    return y.reshape(m_q.shape).to(m_q.dtype)
+
+
+def _as_f64(*xs):
+    out = tuple(x.to(torch.float64) if isinstance(x, torch.Tensor) else torch.tensor(x, dtype=torch.float64) for x in xs)
+    return out if len(out) > 1 else out[0]

@@ -1,0 +1,199 @@
+"""The diffusion family: a class-conditional DDPM denoiser (diffusers ``UNet2DModel``) and its schedule.
+
+What diffusers provides is used as is: the UNet (per-row timestep vector, class
+embedding), ``DDPMScheduler`` for the beta / alpha-bar tables, the strided
+timestep sequence and ``add_noise`` during training. What it does not expose is
+written here: the affine-Gaussian coefficients ``(A_k, B_k, sigma_k)`` of every
+sampling step (spec_diffusion.md section 0/1), which speculative verification
+needs, and classifier-free guidance over a ragged batch.
+
+Image convention: 1 channel, 8x8, pixels scaled to [-1, 1]. Class ``num_classes``
+is the null class used for classifier-free guidance.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from diffusers import DDPMScheduler, UNet2DModel
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+from specray.models.pair import ModelPair
+
+FAMILY = "diffusion"
+SAMPLERS = ("ddpm", "euler_maruyama")
+
+
+def build_unet(config: dict[str, Any]) -> UNet2DModel:
+    """A small class-conditional UNet for ``sample_size`` x ``sample_size`` grey images."""
+    channels = tuple(config["block_out_channels"])
+    attention = set(config.get("attention_levels", ()))
+    down = tuple("AttnDownBlock2D" if i in attention else "DownBlock2D" for i in range(len(channels)))
+    up = tuple(t.replace("Down", "Up") for t in reversed(down))
+    return UNet2DModel(
+        sample_size=config["sample_size"],
+        in_channels=1,
+        out_channels=1,
+        block_out_channels=channels,
+        down_block_types=down,
+        up_block_types=up,
+        layers_per_block=config["layers_per_block"],
+        norm_num_groups=config["norm_num_groups"],
+        num_class_embeds=config["num_classes"] + 1,  # + null class for CFG
+    )
+
+
+def make_scheduler(config: dict[str, Any]) -> DDPMScheduler:
+    return DDPMScheduler(
+        num_train_timesteps=config["num_train_timesteps"],
+        beta_schedule=config.get("beta_schedule", "linear"),
+        clip_sample=False,
+        variance_type="fixed_small",
+        prediction_type="epsilon",
+    )
+
+
+class Denoiser(torch.nn.Module):
+    """Noise prediction ``eps(x_t, t, label)`` with classifier-free guidance.
+
+    ``labels`` may contain ``null_class``; ``guidance_scale == 1`` makes one
+    conditional call, otherwise one call on ``2N`` rows (conditional + null).
+    """
+
+    def __init__(self, unet: UNet2DModel, num_classes: int) -> None:
+        super().__init__()
+        self.unet = unet
+        self.null_class = num_classes
+
+    @torch.no_grad()
+    def forward(self, x: torch.Tensor, timesteps: torch.Tensor, labels: torch.Tensor, guidance_scale: float = 1.0) -> torch.Tensor:
+        if x.shape[0] == 0:
+            return torch.zeros_like(x)
+        if guidance_scale == 1.0:
+            return self.unet(x, timesteps, class_labels=labels).sample
+        null = torch.full_like(labels, self.null_class)
+        both = self.unet(torch.cat([x, x]), torch.cat([timesteps, timesteps]), class_labels=torch.cat([labels, null])).sample
+        cond, uncond = both.chunk(2)
+        return uncond + guidance_scale * (cond - uncond)
+
+
+@dataclass(frozen=True)
+class GaussianSteps:
+    """Coefficient tables of a K-step sampler: step k maps x at ``timesteps[k]`` to the next state.
+
+    ``x_next = A[k] x + B[k] eps(x, timesteps[k]) + sigma[k] xi`` for k < K-1 (all sigma > 0);
+    the last step is deterministic, ``x0_hat = (x - sqrt(1 - abar) eps) / sqrt(abar)``, and is
+    run outside speculation (spec section 1.2, "Final step").
+    """
+
+    timesteps: torch.Tensor  # int64 [K], diffusion time of the state each step starts from
+    A: torch.Tensor  # float64 [K-1]
+    B: torch.Tensor  # float64 [K-1]
+    sigma: torch.Tensor  # float64 [K-1]
+    final_alpha_bar: float  # alpha-bar at timesteps[K-1], for the deterministic final step
+
+    @property
+    def num_steps(self) -> int:
+        return int(self.timesteps.numel())
+
+    @property
+    def num_speculative_steps(self) -> int:
+        return self.num_steps - 1
+
+
+def gaussian_steps(scheduler: DDPMScheduler, num_steps: int, sampler: str = "ddpm", churn: float = 1.0) -> GaussianSteps:
+    """Coefficients of ``num_steps`` strided steps (diffusers' timestep spacing).
+
+    ``sampler="ddpm"``: DDIM with stochasticity ``eta = churn`` (spec 1.1 b); ``churn = 1``
+    is the strided DDPM ancestral step (diffusers ``DDPMScheduler.step`` with ``fixed_small``).
+    ``sampler="euler_maruyama"``: Euler-Maruyama on the churn family of reverse SDEs with
+    ``epsilon = churn`` (spec 1.1 c); ``churn = 1`` is the usual reverse SDE.
+    """
+    if sampler not in SAMPLERS:
+        raise ValueError(f"sampler must be one of {SAMPLERS}, got {sampler!r}")
+    T = scheduler.config.num_train_timesteps
+    if not 2 <= num_steps <= T:
+        raise ValueError(f"num_steps must be in [2, {T}], got {num_steps}")
+    if not churn > 0:
+        raise ValueError(f"churn must be > 0 (a deterministic step cannot be speculated), got {churn}")
+    scheduler.set_timesteps(num_steps)
+    timesteps = scheduler.timesteps.to(torch.int64).clone()
+    abar = scheduler.alphas_cumprod.to(torch.float64)
+    betas = scheduler.betas.to(torch.float64)
+    t = timesteps[:-1]
+    s = timesteps[1:]
+    abar_t, abar_s = abar[t], abar[s]
+    if sampler == "ddpm":
+        sigma = churn * torch.sqrt((1 - abar_s) / (1 - abar_t)) * torch.sqrt(1 - abar_t / abar_s)
+        if torch.any(1 - abar_s - sigma**2 < 0):
+            raise ValueError(f"churn={churn} too large for the DDIM step (needs sigma^2 <= 1 - abar_s)")
+        A = torch.sqrt(abar_s / abar_t)
+        B = torch.sqrt(1 - abar_s - sigma**2) - torch.sqrt(abar_s * (1 - abar_t) / abar_t)
+    else:
+        h = (t - s).to(torch.float64)  # in units of training steps; beta_t is per training step
+        beta = betas[t]
+        A = 1 + 0.5 * beta * h
+        B = -(1 + churn**2) * beta * h / (2 * torch.sqrt(1 - abar_t))
+        sigma = churn * torch.sqrt(beta * h)
+    return GaussianSteps(timesteps=timesteps, A=A, B=B, sigma=sigma, final_alpha_bar=float(abar[timesteps[-1]]))
+
+
+def final_step(x: torch.Tensor, eps: torch.Tensor, alpha_bar: float) -> torch.Tensor:
+    """Deterministic last step: the predicted clean image, clipped to [-1, 1]."""
+    x0 = (x - math.sqrt(1 - alpha_bar) * eps) / math.sqrt(alpha_bar)
+    return x0.clamp(-1.0, 1.0)
+
+
+def to_uint8_image(x: torch.Tensor) -> torch.Tensor:
+    """[-1, 1] images ``[B, 1, H, W]`` -> uint8 ``[B, H, W]`` (0..255) on CPU."""
+    return ((x[:, 0].clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).cpu()
+
+
+def load_denoiser(name_or_path: str, device: torch.device) -> tuple[Denoiser, dict[str, Any]]:
+    """Load a preset (by name) or a safetensors file written by ``train_preset``."""
+    from pathlib import Path
+
+    from specray.models.presets import get_preset
+
+    path = Path(name_or_path)
+    if path.suffix == ".safetensors":
+        if not path.exists():
+            raise FileNotFoundError(f"diffusion checkpoint not found: {path}")
+        with safe_open(str(path), framework="pt") as f:
+            config = json.loads(f.metadata()["config"])
+    else:
+        preset = get_preset(name_or_path)
+        if preset.family != FAMILY:
+            raise ValueError(f"preset {name_or_path!r} is of family {preset.family!r}, not {FAMILY!r}")
+        config = dict(preset.config)
+        path = preset.weights_path
+        if not path.exists():
+            raise FileNotFoundError(f"weights of preset {name_or_path!r} missing at {path}; run `specray train {name_or_path}`")
+    unet = build_unet(config)
+    state = {k: v.to(torch.float32) for k, v in load_file(str(path)).items()}
+    unet.load_state_dict(state)
+    model = Denoiser(unet, config["num_classes"]).to(device).eval()
+    return model, config
+
+
+def load_pair(target: str, draft: str | None, device: torch.device | str) -> ModelPair:
+    """Target denoiser plus an optional independent draft denoiser (same schedule and classes)."""
+    device = torch.device(device)
+    target_model, config = load_denoiser(target, device)
+    draft_model = None
+    if draft is not None:
+        draft_model, draft_config = load_denoiser(draft, device)
+        for key in ("num_train_timesteps", "beta_schedule", "num_classes", "sample_size"):
+            if draft_config.get(key) != config.get(key):
+                raise ValueError(f"draft {draft!r} differs from target {target!r} in {key}: {draft_config.get(key)} vs {config.get(key)}")
+    info = {
+        "image_shape": (1, config["sample_size"], config["sample_size"]),
+        "num_classes": config["num_classes"],
+        "scheduler": make_scheduler(config),
+    }
+    return ModelPair(FAMILY, target, draft, target_model, draft_model, device, info)
