@@ -31,6 +31,14 @@ same positions are drafted again in the next round would correlate the rounds.
 
 COOL-SD in a row's shortened last round (``g_b < gamma``) uses the first ``g_b``
 multipliers of the full-gamma schedule (mu is fixed from gamma when left None).
+
+Performance (the models are tiny, so per-op dispatch dominates; none of this changes a bit
+of the output): the uniforms of a run come from a few large ``rng.uniform`` calls
+(:class:`RoundUniforms`, target_only's in one call) instead of one call per step and stream;
+while every row is active (``full``) the caches are read without a gather copy and rows are
+updated in place; the common round (every row drafts gamma tokens) skips the per-step live-row
+indexing and verifies in one group; counters stay on the device and are moved once; the host
+syncs are two per round (draft-length range, and the active rows only once some are done).
 """
 
 from __future__ import annotations
@@ -186,28 +194,72 @@ class GuidedModel:
         self.cache = model.new_cache(2 * batch if self.guided else batch, max_len)
         self.calls = 0
 
-    def probs(self, idx: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def probs(self, idx: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, *,
+              all_rows: bool = False, prefix: bool | None = None) -> torch.Tensor:
         """Processed distributions ``[r, n, V]`` for samples ``idx`` fed ``tokens`` at sequence ``positions``.
 
         A token at sequence position 0 is the class label; the uncond stream gets the null class there.
+        Hints that only skip work (results are identical): ``all_rows`` says ``idx`` is
+        ``arange(batch)`` (the caches are then read without a gather copy); ``prefix=False`` says no
+        position is 0 (the uncond tokens are then the cond tokens).
         """
         self.calls += 1
         if not self.guided:
-            logits = self.model.forward_step(tokens, positions, self.cache, rows=idx)
+            logits = self.model.forward_step(tokens, positions, self.cache, rows=None if all_rows else idx,
+                                             prefix=prefix)
             return process_with(self.sampling, logits, None)
-        null = torch.full_like(tokens, self.model.null_class)
-        uncond_tokens = torch.where(positions == 0, null, tokens)
+        if prefix is False:
+            uncond_tokens = tokens
+        else:
+            null = torch.full_like(tokens, self.model.null_class)
+            uncond_tokens = torch.where(positions == 0, null, tokens)
         logits = self.model.forward_step(
             torch.cat([tokens, uncond_tokens]), torch.cat([positions, positions]), self.cache,
-            rows=torch.cat([idx, idx + self.batch]),
+            rows=None if all_rows else torch.cat([idx, idx + self.batch]), prefix=prefix,
         )
         r = idx.shape[0]
         return process_with(self.sampling, logits[:r], logits[r:])
 
-    def crop(self, idx: torch.Tensor, lengths: torch.Tensor) -> None:
+    def crop(self, idx: torch.Tensor, lengths: torch.Tensor, *, all_rows: bool = False) -> None:
+        if all_rows:  # idx is arange(batch): one copy instead of indexed writes
+            self.cache.crop(torch.cat([lengths, lengths]) if self.guided else lengths)
+            return
         self.cache.crop(lengths, idx)
         if self.guided:
             self.cache.crop(lengths, idx + self.batch)
+
+
+class RoundUniforms:
+    """The speculative loop's uniforms, ``rng.uniform`` of streams "draft", "accept", "residual".
+
+    Every active row's round index equals the loop iteration (all rows start together and a row
+    leaves only when done), so the keys of a round are (sample, position, iteration). They are
+    computed for all samples and positions, a chunk of rounds at a time: the same values as one
+    ``rng.uniform`` call per key (the hash is elementwise), without a call per round and stream.
+    """
+
+    STREAMS = ("draft", "accept", "residual")
+
+    def __init__(self, seed: int, sample_ids: torch.Tensor, num_positions: int) -> None:
+        self.seed = seed
+        self.sample_ids = sample_ids
+        self.positions = torch.arange(num_positions, device=sample_ids.device)
+        # Per-call overhead dominates small batches, element cost large ones.
+        self.chunk = max(8, min(64, 256 // max(1, sample_ids.shape[0])))
+        self.chunks: list[torch.Tensor] = []  # [B, positions, chunk, 3] float64
+
+    def round(self, step: int, idx: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Uniforms ``[r, k, 3]`` of rows ``idx`` at ``positions [r, k]`` (clamped to the table) in round ``step``."""
+        while len(self.chunks) <= step // self.chunk:
+            start = len(self.chunks) * self.chunk
+            steps = torch.arange(start, start + self.chunk, device=self.positions.device)
+            self.chunks.append(torch.stack([
+                rng.uniform(self.seed, self.sample_ids[:, None, None], stream,
+                            position=self.positions[None, :, None], step=steps[None, None, :])
+                for stream in self.STREAMS
+            ], dim=-1))
+        slab = self.chunks[step // self.chunk][:, :, step % self.chunk]  # [B, positions, 3]
+        return slab[idx[:, None], positions.clamp(max=self.positions.shape[0] - 1)]
 
 
 def sequence_tokens(labels: torch.Tensor, image_tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -233,11 +285,14 @@ class _RowCounters:
     extra: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
-    def zeros(cls, batch: int, gamma: int) -> "_RowCounters":
-        z = lambda: torch.zeros(batch, dtype=torch.int64)  # noqa: E731
-        return cls(z(), z(), z(), z(), z(), torch.zeros(batch, max(gamma, 0), dtype=torch.int64))
+    def zeros(cls, batch: int, gamma: int, device: torch.device | None = None) -> "_RowCounters":
+        z = lambda: torch.zeros(batch, dtype=torch.int64, device=device)  # noqa: E731
+        return cls(z(), z(), z(), z(), z(), torch.zeros(batch, max(gamma, 0), dtype=torch.int64, device=device))
 
     def to_stats(self, num_tokens: int) -> list[SampleStats]:
+        host = {name: getattr(self, name).cpu() for name in
+                ("rounds", "target_calls", "draft_calls", "drafted", "accepted", "accepted_per_position")}
+        self = _RowCounters(**host, extra=self.extra)  # one transfer per counter, not per sample
         return [
             SampleStats(
                 num_tokens=num_tokens,
@@ -261,11 +316,13 @@ def _target_only(pair: ModelPair, sampling: SamplingParams, labels: torch.Tensor
     stream = GuidedModel(target, batch, sampling, target.max_seq_len)
     idx = torch.arange(batch, device=device)
     tokens = torch.zeros(batch, num_tokens, dtype=torch.int64, device=device)
+    # All of the run's uniforms in one call: the same keys as rng.categorical(.., position=t) per step.
+    u = rng.uniform(seed, sample_ids[:, None], "target", position=torch.arange(num_tokens, device=device)[None, :])
     fed = labels[:, None]
     for t in range(num_tokens):
         positions = torch.full((batch, 1), t, dtype=torch.int64, device=device)
-        probs = stream.probs(idx, fed, positions)[:, 0]
-        tokens[:, t] = rng.categorical(probs, seed, sample_ids, "target", position=t)
+        probs = stream.probs(idx, fed, positions, all_rows=True, prefix=t == 0)[:, 0]
+        tokens[:, t] = rng.sample_categorical(probs, u[:, t])
         fed = tokens[:, t : t + 1]
     counters = _RowCounters.zeros(batch, 0)
     counters.target_calls += num_tokens
@@ -292,87 +349,125 @@ def _speculative(method: str, params: dict[str, Any], pair: ModelPair, labels: t
     draft_stream = GuidedModel(draft, batch, sampling, max_len)
     tokens = torch.zeros(batch, num_tokens + gamma + 1, dtype=torch.int64, device=device)
     committed = torch.ones(batch, dtype=torch.int64, device=device)  # n_b after the prefill
-    rounds = torch.zeros(batch, dtype=torch.int64, device=device)
-    counters = _RowCounters.zeros(batch, gamma)
+    counters = _RowCounters.zeros(batch, gamma, device)
+    uniforms = RoundUniforms(seed, sample_ids, num_tokens)
 
     # First image token from the target prefill, keyed exactly like target_only's.
     all_rows = torch.arange(batch, device=device)
     zero = torch.zeros(batch, 1, dtype=torch.int64, device=device)
-    probs0 = target_stream.probs(all_rows, labels[:, None], zero)[:, 0]
+    probs0 = target_stream.probs(all_rows, labels[:, None], zero, all_rows=True, prefix=True)[:, 0]
     tokens[:, 0] = rng.categorical(probs0, seed, sample_ids, "target", position=0)
     counters.target_calls += 1
     steps = torch.arange(gamma + 1, device=device)
 
-    while True:
-        idx = torch.nonzero(committed < num_tokens).squeeze(1)
-        if idx.numel() == 0:
+    # Every active row is in round `it` (see RoundUniforms). Host syncs, which decide the Python
+    # control flow: the range of draft lengths per round, plus the active rows once some are done.
+    for it in range(num_tokens):
+        n_drafts = (num_tokens - 1 - committed).clamp(max=gamma)  # g_b; negative once a row is done
+        g_min, g_max = (int(x) for x in torch.aminmax(n_drafts))
+        if g_max < 0:
             break
-        r = idx.shape[0]
-        n = committed[idx]
-        rnd = rounds[idx]
-        sid = sample_ids[idx]
-        n_drafts = (num_tokens - 1 - n).clamp(max=gamma)  # g_b
-        row_labels = labels[idx]
-        row_tokens = tokens[idx]
+        full = g_min >= 0  # every row active: idx == arange(batch), no gathers, in-place updates
+        if full:
+            idx, r, n = all_rows, batch, committed
+        else:
+            idx = torch.nonzero(n_drafts >= 0).squeeze(1)
+            r, n, n_drafts = idx.shape[0], committed[idx], n_drafts[idx]
+            g_min = int(n_drafts.min())
+        row_labels = labels if full else labels[idx]
+        row_tokens = tokens if full else tokens[idx]
+        round_positions = n[:, None] + steps  # image-token index of each draft / sequence position fed in verify
+        u = uniforms.round(it, idx, round_positions[:, :gamma])  # [r, gamma, (draft, accept, residual)]
 
-        # 1. DRAFT
-        drafts = torch.zeros(r, gamma, dtype=torch.int64, device=device)
-        Q = torch.zeros(r, gamma, vocab, dtype=torch.float32, device=device)
-        for i in range(gamma):
-            live = torch.nonzero(n_drafts > i).squeeze(1)
-            if live.numel() == 0:
-                break
+        # 1. DRAFT (rows with g_b <= i sit out step i; while none do, no indexing)
+        if g_min == gamma:  # the common round: every row drafts gamma tokens
+            drafted, draft_dists = [], []
+            for i in range(gamma):
+                if i == 0:
+                    positions = torch.stack([n - 1, n], dim=1)
+                    fed = sequence_tokens(row_labels, row_tokens, positions)
+                else:
+                    positions, fed = round_positions[:, i : i + 1], drafted[-1][:, None]
+                q = draft_stream.probs(idx, fed, positions, all_rows=full, prefix=it == 0 and i == 0)[:, -1]
+                draft_dists.append(q)
+                drafted.append(rng.sample_categorical(q, u[:, i, 0]))
+            drafts, Q = torch.stack(drafted, dim=1), torch.stack(draft_dists, dim=1)
+        else:
+            drafts = torch.zeros(r, gamma, dtype=torch.int64, device=device)
+            Q = torch.zeros(r, gamma, vocab, dtype=torch.float32, device=device)
+        for i in range(g_max if g_min < gamma else 0):
+            every = i < g_min
+            live = None if every else torch.nonzero(n_drafts > i).squeeze(1)
+            n_live = n if every else n[live]
             if i == 0:
-                positions = torch.stack([n[live] - 1, n[live]], dim=1)
-                fed = sequence_tokens(row_labels[live], row_tokens[live], positions)
+                positions = torch.stack([n_live - 1, n_live], dim=1)
+                fed = sequence_tokens(row_labels if every else row_labels[live],
+                                      row_tokens if every else row_tokens[live], positions)
             else:
-                positions = (n[live] + i)[:, None]
-                fed = drafts[live, i - 1 : i]
-            q = draft_stream.probs(idx[live], fed, positions)[:, -1]
-            Q[live, i] = q
-            drafts[live, i] = rng.categorical(q, seed, sid[live], "draft", position=n[live] + i, step=rnd[live])
-            counters.draft_calls[idx[live].cpu()] += 1
+                positions = round_positions[:, i : i + 1] if every else (n_live + i)[:, None]
+                fed = drafts[:, i - 1 : i] if every else drafts[live, i - 1 : i]
+            q = draft_stream.probs(idx if every else idx[live], fed, positions,
+                                   all_rows=full and every, prefix=it == 0 and i == 0)[:, -1]
+            if every:
+                Q[:, i] = q
+                drafts[:, i] = rng.sample_categorical(q, u[:, i, 0])
+            else:
+                Q[live, i] = q
+                drafts[live, i] = rng.sample_categorical(q, u[live, i, 0])
 
         # 2. VERIFY: [last committed token, d_1 .. d_gamma] at sequence positions n .. n + gamma.
-        verify_positions = n[:, None] + steps
         fed = torch.cat([row_tokens.gather(1, (n - 1)[:, None]), drafts], dim=1)
-        P = target_stream.probs(idx, fed, verify_positions)
+        P = target_stream.probs(idx, fed, round_positions, all_rows=full, prefix=False)
 
-        # 3. DECIDE
-        u_accept = rng.uniform(seed, sid[:, None], "accept", position=n[:, None] + steps[:gamma], step=rnd[:, None])
-        u_residual = rng.uniform(seed, sid, "residual", position=n, step=rnd)
-        n_acc = torch.zeros(r, dtype=torch.int64, device=device)
-        next_token = torch.zeros(r, dtype=torch.int64, device=device)
-        for g in torch.unique(n_drafts).tolist():
-            rows = torch.nonzero(n_drafts == g).squeeze(1)
-            if g == 0:  # only the last image token is left: plain target sampling
-                next_token[rows] = rng.sample_categorical(P[rows, 0], u_residual[rows])
-                continue
-            out = verify(method, P[rows, : g + 1], Q[rows, :g], drafts[rows, :g], u_accept[rows, :g],
-                         u_residual[rows], rule_params)
-            n_acc[rows] = out.n_accepted
-            next_token[rows] = out.next_token
+        # 3. DECIDE (rows grouped by g_b; one group, without indexing, until rows near the end)
+        u_accept = u[:, :, 1]
+        u_residual = u[:, 0, 2]
+        if g_min == g_max and g_min > 0:
+            out = verify(method, P[:, : g_min + 1], Q[:, :g_min], drafts[:, :g_min], u_accept[:, :g_min],
+                         u_residual, rule_params)
+            n_acc, next_token = out.n_accepted, out.next_token
+        else:
+            n_acc = torch.zeros(r, dtype=torch.int64, device=device)
+            next_token = torch.zeros(r, dtype=torch.int64, device=device)
+            for g in torch.unique(n_drafts).tolist():
+                rows = torch.nonzero(n_drafts == g).squeeze(1)
+                if g == 0:  # only the last image token is left: plain target sampling
+                    next_token[rows] = rng.sample_categorical(P[rows, 0], u_residual[rows])
+                    continue
+                out = verify(method, P[rows, : g + 1], Q[rows, :g], drafts[rows, :g], u_accept[rows, :g],
+                             u_residual[rows], rule_params)
+                n_acc[rows] = out.n_accepted
+                next_token[rows] = out.next_token
 
         # 4. COMMIT
         emitted = torch.cat([drafts, torch.zeros_like(drafts[:, :1])], dim=1)
         emitted.scatter_(1, n_acc[:, None], next_token[:, None])
         keep = steps[None, :] <= n_acc[:, None]
-        write_at = n[:, None] + steps
-        current = row_tokens.gather(1, write_at)
-        row_tokens.scatter_(1, write_at, torch.where(keep, emitted, current))
-        tokens[idx] = row_tokens
+        current = row_tokens.gather(1, round_positions)
+        row_tokens.scatter_(1, round_positions, torch.where(keep, emitted, current))
+        if not full:
+            tokens[idx] = row_tokens
         new_n = n + n_acc + 1
-        committed[idx] = new_n
-        rounds[idx] = rnd + 1
-        target_stream.crop(idx, n + n_acc + 1)  # seq positions 0 .. n + n_acc hold committed K/V
-        draft_stream.crop(idx, torch.minimum(n + n_acc + 1, n + n_drafts).clamp(min=n))
+        target_stream.crop(idx, new_n, all_rows=full)  # seq positions 0 .. n + n_acc hold committed K/V
+        draft_stream.crop(idx, torch.minimum(new_n, n + n_drafts).clamp(min=n), all_rows=full)
+        if full:
+            committed.copy_(new_n)
+        else:
+            committed[idx] = new_n
 
-        cpu_idx = idx.cpu()
-        counters.rounds[cpu_idx] += 1
-        counters.target_calls[cpu_idx] += 1
-        counters.drafted[cpu_idx] += n_drafts.cpu()
-        counters.accepted[cpu_idx] += n_acc.cpu()
-        counters.accepted_per_position[cpu_idx] += (steps[None, :gamma] < n_acc[:, None]).long().cpu()
+        accepted_at = steps[None, :gamma] < n_acc[:, None]
+        if full:
+            counters.rounds += 1
+            counters.drafted += n_drafts
+            counters.accepted += n_acc
+            counters.accepted_per_position += accepted_at
+        else:
+            counters.rounds[idx] += 1
+            counters.drafted[idx] += n_drafts
+            counters.accepted[idx] += n_acc
+            counters.accepted_per_position[idx] += accepted_at.long()
+    counters.target_calls += counters.rounds  # one verify call per round (plus the prefill)
+    counters.draft_calls += counters.drafted  # one draft call per drafted position
     return tokens[:, :num_tokens], counters
 
 

@@ -101,6 +101,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:  # skip the no-op casts (dispatch overhead dominates at these sizes)
+            return x * torch.rsqrt(torch.mean(x * x, dim=-1, keepdim=True) + self.eps) * self.weight
         xf = x.float()
         out = xf * torch.rsqrt(torch.mean(xf * xf, dim=-1, keepdim=True) + self.eps)
         return out.type_as(x) * self.weight
@@ -129,38 +131,41 @@ class Attention(nn.Module):
         self.wqkv = nn.Linear(config.dim, 3 * config.dim, bias=False)
         self.wo = nn.Linear(config.dim, config.dim, bias=False)
         self.resid_dropout = nn.Dropout(config.resid_dropout_p)
+        pair_swap = torch.arange(config.head_dim).view(-1, 2).flip(-1).reshape(-1)  # 1, 0, 3, 2, ...
+        self.register_buffer("pair_swap", pair_swap, persistent=False)
 
     def forward(
         self,
         x: torch.Tensor,
-        rope: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
         mask: torch.Tensor,
-        kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None,
+        kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor] | None,
     ) -> torch.Tensor:
-        """``x [R, n, D]``; ``rope [R, n, hd/2, 2]``; ``mask [R, 1, n, S]`` bool (True = may attend).
+        """``x [R, n, D]``; ``rope`` = :func:`rotary_factors`; ``mask [R, 1, n, S]`` bool (True = may attend).
 
-        ``kv`` = (k_cache, v_cache, rows, positions): cache tensors ``[R_all, S, H, hd]``
-        that are written at ``[rows, positions]`` and then read for ``rows``.
+        ``kv`` = (k_cache, v_cache, read_rows, write_rows, positions): cache tensors
+        ``[R_all, S, H, hd]`` written at ``[write_rows [R, 1], positions [R, n]]`` and then read
+        for ``read_rows`` (None: all cache rows in order, read without a gather copy).
         Without it, attention runs over the ``n`` given positions only.
         """
-        r, n, _ = x.shape
-        q, k, v = self.wqkv(x).split(x.shape[-1], dim=-1)
-        q = q.view(r, n, self.n_head, self.head_dim)
-        k = k.view(r, n, self.n_head, self.head_dim)
-        v = v.view(r, n, self.n_head, self.head_dim)
-        q = apply_rotary(q, rope)
-        k = apply_rotary(k, rope)
+        r, n, d = x.shape
+        qkv = F.linear(x, self.wqkv.weight)  # module call overhead matters at these sizes
+        # Rotate q and k in one pass (elementwise, so bit-identical to rotating them apart).
+        qk = apply_rotary_factors(qkv[..., : 2 * d].view(r, n, 2 * self.n_head, self.head_dim), rope, self.pair_swap)
+        q = qk[:, :, : self.n_head]
+        k = qk[:, :, self.n_head :]
+        v = qkv[..., 2 * d :].view(r, n, self.n_head, self.head_dim)
         if kv is not None:
-            k_cache, v_cache, rows, positions = kv
-            k_cache[rows[:, None], positions] = k.to(k_cache.dtype)
-            v_cache[rows[:, None], positions] = v.to(v_cache.dtype)
-            k = k_cache[rows]
-            v = v_cache[rows]
+            k_cache, v_cache, read_rows, write_rows, positions = kv
+            k_cache[write_rows, positions] = k.to(k_cache.dtype)
+            v_cache[write_rows, positions] = v.to(v_cache.dtype)
+            k = k_cache if read_rows is None else k_cache[read_rows]
+            v = v_cache if read_rows is None else v_cache[read_rows]
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask
         )
-        out = out.transpose(1, 2).reshape(r, n, -1)
-        return self.resid_dropout(self.wo(out))
+        out = F.linear(out.transpose(1, 2).reshape(r, n, -1), self.wo.weight)
+        return self.resid_dropout(out) if self.training else out
 
 
 class FeedForward(nn.Module):
@@ -174,7 +179,8 @@ class FeedForward(nn.Module):
         self.ffn_dropout = nn.Dropout(config.ffn_dropout_p)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.ffn_dropout(self.w2(F.silu(self.w1(x)) * self.w3(x)))
+        out = F.linear(F.silu(F.linear(x, self.w1.weight)) * F.linear(x, self.w3.weight), self.w2.weight)
+        return self.ffn_dropout(out) if self.training else out
 
 
 class TransformerBlock(nn.Module):
@@ -221,6 +227,33 @@ def apply_rotary(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
     return out.flatten(3).type_as(x)
 
 
+def rotary_factors(rope: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(cos, sin)`` as ``[R, n, 1, hd]`` for :func:`apply_rotary_factors`, from ``rope [R, n, hd/2, 2]``.
+
+    ``cos`` repeats each pair's cosine, ``sin`` is ``(-sin, +sin)`` per pair; computed once per
+    forward and shared by every layer's q and k.
+    """
+    cos, sin = rope[..., 0], rope[..., 1]
+    return (torch.stack([cos, cos], dim=-1).flatten(-2)[:, :, None],
+            torch.stack([-sin, sin], dim=-1).flatten(-2)[:, :, None])
+
+
+def apply_rotary_factors(x: torch.Tensor, factors: tuple[torch.Tensor, torch.Tensor],
+                         pair_swap: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`apply_rotary` in fewer ops, bit for bit: ``x0 c + x1 (-s) == x0 c - x1 s`` in IEEE arithmetic.
+
+    ``pair_swap`` (optional) is the index ``[1, 0, 3, 2, ...]`` over ``hd`` that swaps each pair.
+    """
+    cos, sin = factors
+    if x.dtype != torch.float32:
+        return apply_rotary_factors(x.float(), factors, pair_swap).type_as(x)
+    if pair_swap is None:
+        swapped = x.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)  # (x1, x0) per pair
+    else:
+        swapped = x.index_select(-1, pair_swap)
+    return x * cos + swapped * sin
+
+
 @dataclass
 class KVCache:
     """Static per-layer K/V slots ``[rows, max_len, H, hd]`` and each row's valid length."""
@@ -256,6 +289,9 @@ class DiscreteGPT(nn.Module):
         self.norm = RMSNorm(config.dim, config.norm_eps)
         self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
         self.register_buffer("rope_table", precompute_rope_2d(config), persistent=False)
+        # rotary_factors of every table row, stacked (cos, sin) -> [L, 2, hd]: one index op per forward.
+        cos, sin = rotary_factors(self.rope_table[None])
+        self.register_buffer("rope_factors", torch.cat([cos, sin], dim=2)[0], persistent=False)
         self.apply(self._init_weights)
 
     @staticmethod
@@ -286,6 +322,11 @@ class DiscreteGPT(nn.Module):
         # (padding of a row's final round); clamp them to a valid table row.
         return self.rope_table[positions.clamp(0, self.rope_table.shape[0] - 1)]
 
+    def _rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``rotary_factors(self._rope(positions))``, read from the precomputed table."""
+        factors = self.rope_factors[positions.clamp(0, self.rope_factors.shape[0] - 1)]  # [r, n, 2, hd]
+        return factors[:, :, 0:1], factors[:, :, 1:2]
+
     # ---- training / full-sequence forward ----------------------------------------------
 
     def forward(
@@ -301,7 +342,7 @@ class DiscreteGPT(nn.Module):
         tok = self.tok_embeddings(image_tokens[:, : n - 1])
         h = self.tok_dropout(torch.cat([cls, tok], dim=1))
         positions = torch.arange(n, device=h.device).expand(b, n)
-        rope = self._rope(positions)
+        rope = self._rotary(positions)
         mask = torch.ones(n, n, dtype=torch.bool, device=h.device).tril()[None, None]
         for layer in self.layers:
             h = layer(h, rope, mask)
@@ -326,27 +367,36 @@ class DiscreteGPT(nn.Module):
         positions: torch.Tensor,
         cache: KVCache,
         rows: torch.Tensor | None = None,
+        prefix: bool | None = None,
     ) -> torch.Tensor:
         """Logits ``[r, n, V]`` float32 for ``tokens [r, n]`` at sequence ``positions [r, n]``.
 
-        Writes their K/V into cache rows ``rows`` (default: all rows, ``r`` must equal
-        ``cache.rows``) at slots ``positions`` and sets those rows' length to
+        Writes their K/V into cache rows ``rows`` (default: all cache rows in order, read
+        without a gather copy; the first ``r`` rows when ``r < cache.rows``) at slots ``positions`` and sets those rows' length to
         ``last position + 1``. A token at position 0 is a class label.
         Positions of a row must be consecutive and start at or before its cache length.
+        ``prefix=False`` promises that no position is 0 (skips the class-embedding path; same result).
         """
-        if rows is None:
-            rows = torch.arange(tokens.shape[0], device=tokens.device)
+        if rows is None and tokens.shape[0] != cache.rows:
+            rows = torch.arange(tokens.shape[0], device=tokens.device)  # the first r rows
         if positions.shape != tokens.shape:
             raise ValueError(f"positions shape {tuple(positions.shape)} != tokens shape {tuple(tokens.shape)}")
         if int(positions.max()) >= cache.max_len:
             raise ValueError(f"position {int(positions.max())} exceeds cache max_len={cache.max_len}")
-        h = self._embed(tokens, positions)
-        rope = self._rope(positions)
+        if prefix is False:
+            h = F.embedding(tokens.clamp(0, self.config.vocab_size - 1), self.tok_embeddings.weight)
+        else:
+            h = self._embed(tokens, positions)
+        rope = self._rotary(positions)
         slots = torch.arange(cache.max_len, device=tokens.device)
         mask = (slots[None, None, :] <= positions[:, :, None])[:, None]  # [r, 1, n, S]
+        write_rows = (torch.arange(tokens.shape[0], device=tokens.device) if rows is None else rows)[:, None]
         for i, layer in enumerate(self.layers):
-            h = layer(h, rope, mask, (cache.keys[i], cache.values[i], rows, positions))
-        cache.lengths[rows] = positions[:, -1] + 1
+            h = layer(h, rope, mask, (cache.keys[i], cache.values[i], rows, write_rows, positions))
+        if rows is None:
+            cache.lengths.copy_(positions[:, -1] + 1)
+        else:
+            cache.lengths[rows] = positions[:, -1] + 1
         return self.output(self.norm(h)).float()
 
     def prefill(self, labels: torch.Tensor, cache: KVCache, rows: torch.Tensor | None = None) -> torch.Tensor:

@@ -1,0 +1,324 @@
+"""Benchmark of the discrete family on the built-in presets (digits-gpt-target / digits-gpt-draft).
+
+For batch 1 and batch 32 and each method (target_only, sd, block, lantern, cool_sd at delta 1.1
+and 2.0, uniform_rsd; gamma 4, default sampling with CFG 1.5) it reports:
+
+- ``len``: mean acceptance length (image tokens per target call, bonus and prefill included);
+  ``alpha``: draft acceptance rate;
+- ``speedup``: measured speedup over ``target_only``. All arms run on the same samples and seeds,
+  interleaved (the order rotates every repetition), after a warm-up; the median over repetitions
+  of the paired ratio target_only time / arm time;
+- ``pred``: the speedup predicted from the measured call counts and the per-call costs measured
+  in the same run, at the same batch size: ``c_t1`` (target call, 1 token per row), ``c_tv``
+  (target verify call, gamma+1 tokens per row) and ``c_d`` (draft call, 1 token per row), each a
+  :meth:`GuidedModel.probs` call (forward on both CFG halves + logits processing). Predicted time =
+  n_t1·c_t1 + n_tv·c_tv + n_d·c_d, the n's being batch-level forward calls counted by wrapping
+  ``forward_step`` in an untimed pass (with ragged rows: loop iterations, i.e. the slowest row's).
+  target_only makes 64 one-token calls (the first is the class prefill); a speculative method one
+  prefill call, one verify call per round and its draft calls (the first of a round feeds 2 tokens);
+- ``eff`` = speedup / pred (1.0: no more loop overhead than target_only's own loop);
+- ``ovh`` = time / predicted time of the arm's own calls (its loop overhead factor).
+
+Both clocks are measured: wall time, and process CPU time, which leaves out the time the process
+waits for a core on a shared machine (valid for single-threaded CPU runs only). The main columns use
+``--clock`` (auto: cpu on a CPU device, wall on CUDA); the last two columns give the other clock.
+
+    python bench/discrete.py [--quick] [--json out.json] [--device cpu] [--clock auto|wall|cpu]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from specray.methods.discrete_loop import GuidedModel, _sampling, resolve_params, run_batch  # noqa: E402
+from specray.models.discrete_ar import DiscreteGPT, load_pair  # noqa: E402
+from specray.models.pair import ModelPair  # noqa: E402
+
+# (row name, method, params); cool_sd at the spec's default delta and at a looser one.
+ARMS: list[tuple[str, str, dict[str, Any]]] = [
+    ("target_only", "target_only", {}),
+    ("sd", "sd", {}),
+    ("block", "block", {}),
+    ("lantern", "lantern", {}),
+    ("cool_sd d=1.1", "cool_sd", {"delta": 1.1}),
+    ("cool_sd d=2.0", "cool_sd", {"delta": 2.0}),
+    ("uniform_rsd", "uniform_rsd", {}),
+]
+
+
+@dataclass
+class CallCounts:
+    """Batch-level forward calls of one arm over the bench's samples."""
+
+    target_1: int = 0  # target calls with one token per row (prefill, target_only steps)
+    target_verify: int = 0  # target calls with several tokens per row (verify)
+    draft: int = 0  # draft calls (1 token per row, 2 on a round's first draft step)
+
+
+@dataclass
+class ClockResult:
+    """Timing of one arm under one clock."""
+
+    s_per_sample: float  # median over repetitions
+    speedup: float  # median over repetitions of (target_only time / this arm's time), same repetition
+    predicted_speedup: float  # from the call counts and this clock's per-call costs
+    efficiency: float  # speedup / predicted_speedup
+    overhead: float  # median time / predicted time of the arm's own calls
+    reps_s: list[float] = field(default_factory=list)
+
+
+@dataclass
+class ArmResult:
+    name: str
+    method: str
+    params: dict[str, Any]
+    batch: int
+    samples: int
+    mean_acceptance_length: float
+    draft_acceptance_rate: float | None
+    calls: CallCounts
+    clocks: dict[str, ClockResult]
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# Every timing reads both clocks. "wall": time.perf_counter. "cpu": process CPU time, which on a
+# shared machine leaves out the time the process waits for a core (a fair clock for single-threaded
+# torch on CPU only: it misses asynchronous GPU work).
+CLOCK_NAMES = ("wall", "cpu")
+
+
+def stamp() -> tuple[float, float]:
+    return time.perf_counter(), time.process_time()
+
+
+def since(start: tuple[float, float]) -> dict[str, float]:
+    end = stamp()
+    return {name: end[i] - start[i] for i, name in enumerate(CLOCK_NAMES)}
+
+
+def batches_of(samples: int, batch: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Sample ids 0..samples-1 in batches; label = sample id mod 10 (every class appears)."""
+    out = []
+    for start in range(0, samples, batch):
+        sids = torch.arange(start, min(start + batch, samples), dtype=torch.int64)
+        out.append((sids % 10, sids))
+    return out
+
+
+def run_arm(method: str, params: dict[str, Any], pair: ModelPair, work: list, seed: int) -> tuple[dict[str, float], list]:
+    _sync(pair.device)
+    start = stamp()
+    stats = []
+    for labels, sids in work:
+        stats += run_batch(method, params, pair, labels, sids, seed).stats
+    _sync(pair.device)
+    return since(start), stats
+
+
+def count_calls(method: str, params: dict[str, Any], pair: ModelPair, work: list, seed: int) -> tuple[CallCounts, list]:
+    """Untimed pass with ``forward_step`` wrapped on both model instances."""
+    counts: Counter[str] = Counter()
+
+    def wrap(model: DiscreteGPT, role: str) -> None:
+        original = model.forward_step
+
+        def counted(tokens, positions, cache, *args, **kwargs):  # type: ignore[no-untyped-def]
+            counts[role if role == "draft" else ("target_1" if tokens.shape[1] == 1 else "target_verify")] += 1
+            return original(tokens, positions, cache, *args, **kwargs)
+
+        model.forward_step = counted  # type: ignore[method-assign]
+
+    models = [(pair.target, "target")] + ([(pair.draft, "draft")] if pair.draft is not None else [])
+    for model, role in models:
+        wrap(model, role)
+    try:
+        _, stats = run_arm(method, params, pair, work, seed)
+    finally:
+        for model, _ in models:
+            del model.forward_step  # back to the class method
+    return CallCounts(counts["target_1"], counts["target_verify"], counts["draft"]), stats
+
+
+def call_costs(pair: ModelPair, batch: int, gamma: int, calls: int) -> dict[str, dict[str, float]]:
+    """Per-call seconds ``{clock: {c_t1, c_tv, c_d}}`` at ``batch`` samples (CFG on, default sampling).
+
+    Each is the median of 5 timings of ``calls`` back-to-back :meth:`GuidedModel.probs` calls made
+    the way the loops make them for a full batch past the prefix.
+    """
+    sampling = _sampling(resolve_params("sd", {"gamma": gamma}))
+    device = pair.device
+    max_len = pair.target.max_seq_len + gamma + 1
+    idx = torch.arange(batch, device=device)
+    mid = pair.target.config.num_image_tokens // 2
+    gen = torch.Generator().manual_seed(0)
+
+    def tokens(n: int) -> torch.Tensor:
+        return torch.randint(0, pair.target.config.vocab_size, (batch, n), generator=gen).to(device)
+
+    def positions(n: int) -> torch.Tensor:
+        return (mid + torch.arange(n, device=device)).expand(batch, n).contiguous()
+
+    specs = {
+        "c_t1": (GuidedModel(pair.target, batch, sampling, pair.target.max_seq_len), tokens(1), positions(1)),
+        "c_tv": (GuidedModel(pair.target, batch, sampling, max_len), tokens(gamma + 1), positions(gamma + 1)),
+        "c_d": (GuidedModel(pair.draft, batch, sampling, max_len), tokens(1), positions(1)),
+    }
+    out: dict[str, dict[str, float]] = {clock: {} for clock in CLOCK_NAMES}
+    with torch.inference_mode():
+        for name, (stream, tok, pos) in specs.items():
+            for _ in range(3):  # warm-up
+                stream.probs(idx, tok, pos, all_rows=True, prefix=False)
+            times: dict[str, list[float]] = {clock: [] for clock in CLOCK_NAMES}
+            for _ in range(5):
+                _sync(device)
+                start = stamp()
+                for _ in range(calls):
+                    stream.probs(idx, tok, pos, all_rows=True, prefix=False)
+                _sync(device)
+                for clock, t in since(start).items():
+                    times[clock].append(t / calls)
+            for clock in CLOCK_NAMES:
+                out[clock][name] = statistics.median(times[clock])
+    return out
+
+
+def predicted_time(counts: CallCounts, costs: dict[str, float]) -> float:
+    return counts.target_1 * costs["c_t1"] + counts.target_verify * costs["c_tv"] + counts.draft * costs["c_d"]
+
+
+def bench_batch(pair: ModelPair, batch: int, samples: int, reps: int, gamma: int, seed: int,
+                cost_calls: int) -> tuple[list[ArmResult], dict[str, dict[str, float]]]:
+    work = batches_of(samples, batch)
+    arms = [(name, method, {**params, **({} if method == "target_only" else {"gamma": gamma})})
+            for name, method, params in ARMS]
+    # Warm-up (allocator, kernels, neighbour tables), then the untimed counting pass.
+    for _, method, params in arms:
+        run_arm(method, params, pair, work[:1], seed)
+    counted = {name: count_calls(method, params, pair, work, seed) for name, method, params in arms}
+
+    times: dict[str, list[dict[str, float]]] = {name: [] for name, _, _ in arms}
+    cost_reps: list[dict[str, dict[str, float]]] = []
+    for rep in range(reps):
+        cost_reps.append(call_costs(pair, batch, gamma, cost_calls))
+        order = arms[rep % len(arms):] + arms[: rep % len(arms)]  # rotate so drift hits every arm alike
+        for name, method, params in order:
+            elapsed, _ = run_arm(method, params, pair, work, seed)
+            times[name].append(elapsed)
+    costs = {clock: {key: statistics.median(c[clock][key] for c in cost_reps) for key in cost_reps[0][clock]}
+             for clock in CLOCK_NAMES}
+
+    base_name = arms[0][0]
+    results = []
+    for name, method, params in arms:
+        counts, stats = counted[name]
+        drafted = sum(s.num_draft_tokens for s in stats)
+        accepted = sum(s.num_accepted_draft_tokens for s in stats)
+        clocks = {}
+        for clock in CLOCK_NAMES:
+            mine = [t[clock] for t in times[name]]
+            base = [t[clock] for t in times[base_name]]
+            speedup = statistics.median(b / m for b, m in zip(base, mine))
+            pred_time = predicted_time(counts, costs[clock])
+            predicted = predicted_time(counted[base_name][0], costs[clock]) / pred_time
+            clocks[clock] = ClockResult(
+                s_per_sample=statistics.median(mine) / samples, speedup=speedup, predicted_speedup=predicted,
+                efficiency=speedup / predicted, overhead=statistics.median(mine) / pred_time, reps_s=mine,
+            )
+        results.append(ArmResult(
+            name=name, method=method, params=params, batch=batch, samples=samples,
+            mean_acceptance_length=sum(s.num_tokens for s in stats) / sum(s.target_calls for s in stats),
+            draft_acceptance_rate=accepted / drafted if drafted else None, calls=counts, clocks=clocks,
+        ))
+    return results, costs
+
+
+def print_table(batch: int, samples: int, reps: int, costs: dict[str, dict[str, float]],
+                results: list[ArmResult], clock: str) -> None:
+    other = next(c for c in CLOCK_NAMES if c != clock)
+    c = costs[clock]
+    print(f"\n## batch {batch}: {samples} samples, {reps} reps, {clock} clock; per call c_t1 {c['c_t1'] * 1e3:.3f} ms, "
+          f"c_tv {c['c_tv'] * 1e3:.3f} ms, c_d {c['c_d'] * 1e3:.3f} ms")
+    header = (f"{'method':<15} {'len':>5} {'alpha':>6} {'tgt':>5} {'draft':>6} {'ms/sample':>10} "
+              f"{'speedup':>8} {'pred':>6} {'eff':>5} {'ovh':>5} | {'speedup':>8} {'eff':>5} ({other})")
+    print(header)
+    print("-" * len(header))
+    per_batch = samples / batch
+    for r in results:
+        alpha = "-" if r.draft_acceptance_rate is None else f"{r.draft_acceptance_rate:.3f}"
+        tgt = (r.calls.target_1 + r.calls.target_verify) / per_batch
+        m, o = r.clocks[clock], r.clocks[other]
+        print(f"{r.name:<15} {r.mean_acceptance_length:>5.2f} {alpha:>6} {tgt:>5.1f} {r.calls.draft / per_batch:>6.1f} "
+              f"{m.s_per_sample * 1e3:>10.2f} {m.speedup:>8.2f} {m.predicted_speedup:>6.2f} "
+              f"{m.efficiency:>5.2f} {m.overhead:>5.2f} | {o.speedup:>8.2f} {o.efficiency:>5.2f}", flush=True)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--gamma", type=int, default=4)
+    ap.add_argument("--batches", default="1,32", help="comma-separated batch sizes")
+    ap.add_argument("--samples-b1", type=int, default=None, help="samples at batch 1 (default 12, quick 4)")
+    ap.add_argument("--batches-large", type=int, default=None,
+                    help="number of batches at batch sizes > 1 (default 2, quick 1)")
+    ap.add_argument("--reps", type=int, default=None, help="timed repetitions (default 7, quick 3)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (1 for stable timing)")
+    ap.add_argument("--quick", action="store_true", help="fewer samples and repetitions (~1 min)")
+    ap.add_argument("--json", type=Path, default=None, help="write the results as JSON here")
+    ap.add_argument("--clock", choices=("auto", *CLOCK_NAMES), default="auto",
+                    help="clock of the main columns (both are measured and stored); auto: cpu on a CPU "
+                         "device (robust on a shared machine), wall on CUDA")
+    args = ap.parse_args(argv)
+
+    torch.set_num_threads(args.threads)
+    samples_b1 = args.samples_b1 or (4 if args.quick else 12)
+    batches_large = args.batches_large or (1 if args.quick else 2)
+    reps = args.reps or (3 if args.quick else 7)
+    device = torch.device(args.device)
+    clock = args.clock if args.clock != "auto" else ("cpu" if device.type == "cpu" else "wall")
+    pair = load_pair("digits-gpt-target", "digits-gpt-draft", device)
+    print(f"# specray discrete bench: {pair.target_name} vs {pair.draft_name} on {device} "
+          f"({torch.get_num_threads()} thread(s), torch {torch.__version__}), gamma={args.gamma}, seed={args.seed}")
+    started = time.perf_counter()
+    report: dict[str, Any] = {
+        "target": pair.target_name, "draft": pair.draft_name, "device": str(device), "gamma": args.gamma,
+        "seed": args.seed, "threads": torch.get_num_threads(), "torch": torch.__version__,
+        "python": platform.python_version(), "quick": args.quick, "clock": clock, "batches": [],
+    }
+    for batch in [int(b) for b in args.batches.split(",")]:
+        samples = samples_b1 if batch == 1 else batch * batches_large
+        cost_calls = 20 if batch == 1 else 10
+        results, costs = bench_batch(pair, batch, samples, reps, args.gamma, args.seed, cost_calls)
+        print_table(batch, samples, reps, costs, results, clock)
+        report["batches"].append({"batch": batch, "samples": samples, "reps": reps, "call_costs_s": costs,
+                                  "arms": [asdict(r) for r in results]})
+    report["bench_wall_s"] = time.perf_counter() - started
+    print(f"\n# len: mean acceptance length (tokens per target call); alpha: draft acceptance rate; tgt, draft: "
+          f"batch-level forward calls per batch; speedup: vs target_only, median of paired reps; pred: predicted "
+          f"from the calls and per-call costs; eff = speedup / pred; ovh = time / predicted time. "
+          f"Bench took {report['bench_wall_s']:.0f} s.")
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(report, indent=2))
+        print(f"# wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()
