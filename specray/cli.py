@@ -57,6 +57,9 @@ def run(job_file: str | None, output: str | None, num_cpus: int | None, actors: 
         _fail(str(exc))
     if num_cpus is not None and num_cpus < 1:
         _fail(f"--num-cpus: must be an integer >= 1, got {num_cpus}")
+    if spec.dataset is not None:  # a dataset job publishes a partition and a card; there is no report
+        _run_dataset(spec, ray_address, num_cpus, quiet)
+        return
     try:
         result = run_job(spec, ray_address=ray_address, num_cpus=num_cpus, show_progress=not quiet)
     except SpecError as exc:
@@ -68,6 +71,21 @@ def run(job_file: str | None, output: str | None, num_cpus: int | None, actors: 
                f"{result.retries} retries, {result.wall_time_s:.1f} s)")
     if not no_reduce:
         _reduce(result.output)
+
+
+def _run_dataset(spec, ray_address: str | None, num_cpus: int | None, quiet: bool) -> None:
+    from specray.runtime.coordinator import ShardFailedError
+    from specray.runtime.dataset import run_dataset_job
+
+    try:
+        result = run_dataset_job(spec, ray_address=ray_address, num_cpus=num_cpus, show_progress=not quiet)
+    except SpecError as exc:
+        _fail(str(exc))
+    except ShardFailedError as exc:
+        _fail(str(exc), code=1)
+    state = "was already published" if result.already_published else "published"
+    click.echo(f"partition {result.partition} {state}: {result.num_rows} rows in {len(result.files)} files "
+               f"under {result.output}")
 
 
 @specray.command()
@@ -105,16 +123,22 @@ def train(preset: str, out_dir: str | None, seed: int) -> None:
         click.echo(f"trained {name} -> {path}")
 
 
-def _reduce(run_dir: str) -> dict:
+def _require_manifest(run_dir: str) -> None:
     from specray.runtime.store import MANIFEST_NAME, RunStore
 
     if not RunStore(run_dir).is_committed(MANIFEST_NAME):
         _fail(f"RUN: {run_dir!r} has no {MANIFEST_NAME}: not a finished specray run (rerun its job to finish it)")
+
+
+def _reduce(run_dir: str) -> dict:
+    from specray.eval.checks import RunCheckError
+    from specray.eval.reduce import reduce_run
+
+    _require_manifest(run_dir)
     try:
-        from specray.eval.reduce import reduce_run
-    except ImportError as exc:
-        _fail(f"the reducer is not available in this install ({exc})", code=1)
-    return reduce_run(run_dir, print_table=True)
+        return reduce_run(run_dir, print_table=True)
+    except RunCheckError as exc:
+        _fail(f"RUN: {run_dir!r} refused before scoring: {exc}")
 
 
 @specray.command()
@@ -127,8 +151,31 @@ def reduce(run_dir: str) -> None:
 @specray.command()
 @click.argument("run_dir")
 def report(run_dir: str) -> None:
-    """Same as reduce: (re)build RUN_DIR/report/ and print the table."""
-    _reduce(run_dir)
+    """Re-render RUN_DIR/report/ (report.md, plots, grids) from report.json without rescoring."""
+    from specray.eval.report import regenerate
+
+    _require_manifest(run_dir)
+    try:
+        regenerate(run_dir)
+    except FileNotFoundError:
+        _fail(f"RUN: {run_dir!r} has no report/report.json yet; run `specray reduce {run_dir}` first")
+    click.echo(f"report regenerated under {run_dir.rstrip('/')}/report/")
+
+
+@specray.command()
+@click.argument("run_a")
+@click.argument("run_b")
+def compare(run_a: str, run_b: str) -> None:
+    """Show the differences between two reduced runs (e.g. last night's against tonight's)."""
+    from specray.eval.compare import compare_markdown, compare_runs
+
+    for run_dir in (run_a, run_b):
+        _require_manifest(run_dir)
+    try:
+        comparison = compare_runs(run_a, run_b)
+    except FileNotFoundError as exc:
+        _fail(str(exc))
+    click.echo(compare_markdown(comparison))
 
 
 def main() -> None:

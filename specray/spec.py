@@ -27,16 +27,19 @@ Example::
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import json
 import os
 import re
+import struct
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Mapping
 
 SPEC_FORMAT_VERSION = 1
 CONDITION_KINDS = ("class_labels",)
+DATASET_PARTITIONS = ("date", "run")
 _ARM_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$")
 
 
@@ -83,6 +86,7 @@ class ArmSpec:
     target: str
     draft: str | None
     params: dict[str, Any] = field(default_factory=dict)
+    seed_offset: int = 0  # the arm's samples use seed job.seed + seed_offset (e.g. target_only replicas for FID noise)
 
     @property
     def group_key(self) -> tuple[str, str, str | None]:
@@ -90,8 +94,11 @@ class ArmSpec:
         return (self.family, self.target, self.draft)
 
     def fingerprint(self) -> str:
-        return _hash({"name": self.name, "family": self.family, "method": self.method,
-                      "target": self.target, "draft": self.draft, "params": self.params})
+        identity = {"name": self.name, "family": self.family, "method": self.method,
+                    "target": self.target, "draft": self.draft, "params": self.params}
+        if self.seed_offset:  # only when set, so fingerprints of existing runs stay valid
+            identity["seed_offset"] = self.seed_offset
+        return _hash(identity)
 
 
 @dataclass(frozen=True)
@@ -102,6 +109,25 @@ class EvalSpec:
     reference: str = "digits"
     baseline: str | None = None  # arm that speedups are measured against
     options: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class DatasetSpec:
+    """Write a dataset (one Parquet partition per run or date, plus a dataset card) instead of an eval run.
+
+    ``value`` is resolved by :func:`load_job`: the date (``YYYY-MM-DD``, UTC today unless given) or
+    the run id (the job fingerprint unless given), so rerunning the same partition resumes it.
+    """
+
+    partition: str = "date"  # one of DATASET_PARTITIONS
+    value: str = ""
+    name: str | None = None  # title of the dataset card (default: the job id)
+    description: str = ""
+
+    @property
+    def partition_dir(self) -> str:
+        """Hive-style directory of this partition, e.g. ``date=2026-11-29``."""
+        return f"{self.partition}={self.value}"
 
 
 @dataclass(frozen=True)
@@ -118,6 +144,9 @@ class JobSpec:
     num_gpus_per_actor: float = 0.0
     max_shard_retries: int = 3
     eval: EvalSpec = field(default_factory=EvalSpec)
+    # s3fs options without credentials (endpoint_url, region_name...); credentials come from the AWS environment.
+    storage_options: dict[str, Any] = field(default_factory=dict)
+    dataset: DatasetSpec | None = None
 
     @property
     def shard_size(self) -> int:
@@ -206,6 +235,7 @@ def _read_yaml(path: Path) -> dict[str, Any]:
 _TOP_LEVEL = {
     "job_id", "seed", "output", "conditions", "arms", "batch_size", "shard_batches", "shard_size",
     "actors", "num_cpus_per_actor", "num_gpus_per_actor", "max_shard_retries", "eval",
+    "storage_options", "dataset",
 }
 
 
@@ -235,12 +265,15 @@ def parse_job(data: Mapping[str, Any]) -> JobSpec:
     arms = _arms("arms", data["arms"])
     conditions = _conditions("conditions", data.get("conditions", {}), arms)
     eval_spec = _eval("eval", data.get("eval", {}), arms)
-    return JobSpec(
+    storage_options = _storage_options("storage_options", data.get("storage_options"))
+    spec = JobSpec(
         job_id=job_id, seed=seed, output=output, conditions=conditions, arms=arms,
         batch_size=batch_size, shard_batches=shard_batches, actors=actors,
         num_cpus_per_actor=num_cpus, num_gpus_per_actor=num_gpus, max_shard_retries=retries,
-        eval=eval_spec,
+        eval=eval_spec, storage_options=storage_options,
     )
+    dataset = _dataset("dataset", data.get("dataset"), spec)
+    return replace(spec, dataset=dataset) if dataset is not None else spec
 
 
 def _shard_batches(data: Mapping[str, Any], batch_size: int) -> int:
@@ -254,7 +287,7 @@ def _shard_batches(data: Mapping[str, Any], batch_size: int) -> int:
     return _integer("shard_batches", data.get("shard_batches", 4), minimum=1)
 
 
-_ARM_FIELDS = {"name", "family", "method", "target", "draft", "params"}
+_ARM_FIELDS = {"name", "family", "method", "target", "draft", "params", "seed_offset"}
 
 
 def _arms(path: str, raw: Any) -> tuple[ArmSpec, ...]:
@@ -302,8 +335,9 @@ def _arms(path: str, raw: Any) -> tuple[ArmSpec, ...]:
             message = _param_message(exc)
             key = _named_param(message, [*loop.METHODS[method], *params])
             raise SpecError(f"{at}.params" + (f".{key}" if key else ""), message) from None
+        seed_offset = _integer(f"{at}.seed_offset", item.get("seed_offset", 0), minimum=0)
         arms.append(ArmSpec(name=name, family=family, method=method, target=target, draft=draft,
-                            params=_plain(resolved)))
+                            params=_plain(resolved), seed_offset=seed_offset))
     return tuple(arms)
 
 
@@ -329,8 +363,8 @@ def _model_ref(path: str, value: Any, family: str) -> str:
 
     name = _string(path, value)
     if _looks_like_checkpoint(name):
-        if "://" not in name and not Path(name).exists():
-            raise SpecError(path, f"checkpoint {name!r} does not exist")
+        if "://" not in name:
+            _check_local_checkpoint(path, name)
         return name
     try:
         preset = get_preset(name)
@@ -345,6 +379,150 @@ def _model_ref(path: str, value: Any, family: str) -> str:
 
 def _looks_like_checkpoint(name: str) -> bool:
     return "/" in name or "://" in name or name.endswith((".safetensors", ".pt", ".bin"))
+
+
+# A safetensors file: 8-byte little-endian header length, a JSON header, then the tensor bytes.
+_SAFETENSORS_MAX_HEADER = 100 * 1024 * 1024
+_SAFETENSORS_DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "I16": 2, "U16": 2,
+                            "F16": 2, "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
+
+
+def _check_local_checkpoint(path: str, name: str) -> None:
+    """A local checkpoint must exist; a .safetensors one must have a sound header covering the file.
+
+    Reads only the header (never the tensors, never a pickle), so a corrupt or truncated file is
+    refused before Ray starts.
+    """
+    file = Path(name).expanduser()
+    if not file.exists():
+        raise SpecError(path, f"checkpoint {name!r} does not exist; give an existing .safetensors file "
+                              "or a built-in preset name")
+    if file.suffix != ".safetensors" or not file.is_file():
+        return  # directories / other formats are checked by the family loader
+    problem = safetensors_header_problem(file)
+    if problem:
+        raise SpecError(path, f"checkpoint {name!r} is not a valid safetensors file: {problem}")
+
+
+def safetensors_header_problem(file: Path) -> str | None:
+    """Why ``file`` is not a complete safetensors file (None when its header is sound)."""
+    size = file.stat().st_size
+    with open(file, "rb") as handle:
+        prefix = handle.read(8)
+        if len(prefix) < 8:
+            return f"{size} bytes, shorter than the 8-byte header length"
+        (header_len,) = struct.unpack("<Q", prefix)
+        if header_len == 0 or header_len > min(_SAFETENSORS_MAX_HEADER, size - 8):
+            return f"header length {header_len} does not fit the file ({size} bytes): corrupt or truncated"
+        raw = handle.read(header_len)
+    try:
+        header = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        return f"header is not JSON ({exc.__class__.__name__}): corrupt"
+    if not isinstance(header, dict):
+        return "header is not a JSON object: corrupt"
+    data_bytes = size - 8 - header_len
+    end = 0
+    for tensor, info in header.items():
+        if tensor == "__metadata__":
+            continue
+        try:
+            start, stop = (int(v) for v in info["data_offsets"])
+            count = 1
+            for dim in info["shape"]:
+                count *= int(dim)
+            width = _SAFETENSORS_DTYPE_BYTES[info["dtype"]]
+        except (KeyError, TypeError, ValueError):
+            return f"tensor {tensor!r} has a malformed header entry: corrupt"
+        if not 0 <= start <= stop or stop - start != count * width:
+            return f"tensor {tensor!r} has inconsistent offsets: corrupt"
+        end = max(end, stop)
+    if end > data_bytes:
+        return f"tensors need {end} data bytes but the file holds {data_bytes}: truncated"
+    if not any(k != "__metadata__" for k in header):
+        return "it holds no tensors"
+    return None
+
+
+_STORAGE_OPTION_FIELDS = {"endpoint_url", "region_name", "anon", "requester_pays", "config_kwargs"}
+_CREDENTIAL_OPTION_WORDS = ("key", "secret", "token", "password", "credential", "profile")
+
+
+def _storage_options(path: str, raw: Any) -> dict[str, Any]:
+    """s3fs options for an s3:// output; credentials are refused here (they would be stored with the run)."""
+    if raw is None:
+        return {}
+    if not isinstance(raw, Mapping):
+        raise SpecError(path, f"must be a mapping with fields {sorted(_STORAGE_OPTION_FIELDS)}")
+    for key in raw:
+        if any(word in str(key).lower() for word in _CREDENTIAL_OPTION_WORDS):
+            raise SpecError(f"{path}.{key}", "credentials are never read from a job file (it is copied into "
+                                             "_job.json and the manifest); set AWS_ACCESS_KEY_ID / "
+                                             "AWS_SECRET_ACCESS_KEY (or AWS_PROFILE) in the environment instead")
+    _reject_unknown(path, raw, _STORAGE_OPTION_FIELDS)
+    endpoint = raw.get("endpoint_url")
+    if endpoint is not None:
+        endpoint = _string(f"{path}.endpoint_url", endpoint)
+        if not re.match(r"^https?://[^/@\s]+(/.*)?$", endpoint):
+            raise SpecError(f"{path}.endpoint_url", f"must be http(s)://HOST[:PORT] without user:password, "
+                                                    f"got {endpoint.split('@')[-1]!r}")
+    if raw.get("region_name") is not None:
+        _string(f"{path}.region_name", raw["region_name"])
+    for flag in ("anon", "requester_pays"):
+        if flag in raw and not isinstance(raw[flag], bool):
+            raise SpecError(f"{path}.{flag}", f"must be true or false, got {raw[flag]!r}")
+    if "config_kwargs" in raw and not isinstance(raw["config_kwargs"], Mapping):
+        raise SpecError(f"{path}.config_kwargs", "must be a mapping (botocore Config arguments)")
+    return _plain({k: v for k, v in raw.items() if v is not None})
+
+
+_DATASET_FIELDS = {"partition", "value", "date", "run_id", "name", "description"}
+
+
+def _dataset(path: str, raw: Any, spec: "JobSpec") -> DatasetSpec | None:
+    """Resolve the dataset partition (today's UTC date, or the job fingerprint as run id) once, here."""
+    from datetime import date, datetime, timezone
+
+    if raw is None:
+        return None
+    if not isinstance(raw, Mapping):
+        raise SpecError(path, f"must be a mapping with fields {sorted(_DATASET_FIELDS)}")
+    _reject_unknown(path, raw, _DATASET_FIELDS)
+    partition = raw.get("partition", "date")
+    if partition not in DATASET_PARTITIONS:
+        raise SpecError(f"{path}.partition", f"unknown partition {partition!r}; allowed: {', '.join(DATASET_PARTITIONS)}")
+    alias = "date" if partition == "date" else "run_id"
+    other = "run_id" if partition == "date" else "date"
+    if other in raw:
+        raise SpecError(f"{path}.{other}", f"only used with partition: {other.replace('_id', '')}; "
+                                           f"this dataset is partitioned by {partition}")
+    if "value" in raw and alias in raw:
+        raise SpecError(f"{path}.value", f"give either value or {alias}, not both")
+    at = f"{path}.{alias}" if alias in raw else f"{path}.value"
+    value = raw.get(alias, raw.get("value"))
+    if partition == "date":
+        if value in (None, "", "today"):
+            value = datetime.now(timezone.utc).date().isoformat()
+        elif isinstance(value, date):  # YAML reads an unquoted 2026-11-29 as a date
+            value = value.isoformat()
+        else:
+            try:
+                value = date.fromisoformat(_string(at, value)).isoformat()
+            except ValueError:
+                raise SpecError(at, f'must be "today" or a date YYYY-MM-DD, got {value!r}') from None
+    else:
+        if value in (None, ""):
+            value = spec.fingerprint()
+        value = _string(at, value)
+        if not _ARM_NAME.match(value):
+            raise SpecError(at, f"must be letters, digits, '_', '-', '.' (it names a directory), got {value!r}")
+    name = raw.get("name")
+    if name is not None:
+        name = _string(f"{path}.name", name)
+    description = raw.get("description") or ""
+    if not isinstance(description, str):
+        raise SpecError(f"{path}.description", f"must be a string, got {description!r}")
+    return DatasetSpec(partition=partition, value=value, name=name, description=description)
 
 
 _CONDITION_FIELDS = {"kind", "per_class", "classes"}
@@ -441,7 +619,9 @@ def _reject_unknown(path: str, data: Mapping[str, Any], allowed: set[str]) -> No
     for key in data:
         if key not in allowed:
             at = f"{path}.{key}" if path else str(key)
-            raise SpecError(at, f"unknown field; allowed: {', '.join(sorted(allowed))}")
+            close = difflib.get_close_matches(str(key), sorted(allowed), n=1, cutoff=0.6)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise SpecError(at, f"unknown field; allowed: {', '.join(sorted(allowed))}{hint}")
 
 
 def _string(path: str, value: Any) -> str:
@@ -474,16 +654,43 @@ def _hash(data: Any) -> str:
 # ---------------------------------------------------------------- the built-in demo
 
 DEMO_DISCRETE_METHODS = ("target_only", "sd", "block", "lantern", "cool_sd", "uniform_rsd")
+# target_only replicas at other seeds: the reducer's seed-to-seed FID spread ("within noise").
+DEMO_NOISE_SEED_OFFSETS = (1, 2)
+
+
+def _family_arms(prefix: str, family: str, target: str, draft: str | None,
+                 methods: list[tuple[str, str, dict[str, Any], str | None]]) -> list[dict[str, Any]]:
+    """One family's demo arms: its target_only, the target_only seed replicas, then ``methods``
+    given as (arm name, method, params, draft or None)."""
+    baseline = f"{prefix}target_only" if prefix else "target_only"
+    arms = [{"name": baseline, "family": family, "method": "target_only", "target": target, "draft": draft}]
+    arms += [{"name": f"{baseline}_seed{offset}", "family": family, "method": "target_only", "target": target,
+              "draft": draft, "seed_offset": offset} for offset in DEMO_NOISE_SEED_OFFSETS]
+    arms += [{"name": name, "family": family, "method": method, "target": target, "draft": arm_draft,
+              **({"params": params} if params else {})} for name, method, params, arm_draft in methods]
+    return arms
 
 
 def demo_arms() -> list[dict[str, Any]]:
-    """The demo's arms; later families append theirs here."""
-    arms = [
-        {"name": method, "family": "discrete_ar", "method": method,
-         "target": "digits-gpt-target", "draft": "digits-gpt-draft"}
-        for method in DEMO_DISCRETE_METHODS
+    """The demo's arms: every method of the three families on the digits presets."""
+    gpt_draft = "digits-gpt-draft"
+    discrete = [(m, m, {}, gpt_draft) for m in DEMO_DISCRETE_METHODS if m != "target_only"]
+    # COOL-SD's headline setting δ = 2 (the paper's main table has δ 1.1 and 2); at γ = 4 the spec's
+    # mean-normalised μ makes δ = 1.1 stricter than sd at positions 3-4 (see README).
+    discrete = [(n, m, {"delta": 2.0} if m == "cool_sd" else p, d) for n, m, p, d in discrete]
+    continuous = [
+        ("mar_cspd_exact", "cspd", {"mode": "exact"}, "digits-mar-draft"),
+        ("mar_cspd_paper", "cspd", {"mode": "paper"}, "digits-mar-draft"),
     ]
-    return arms
+    diffusion = [
+        # One arm group (same draft name) so every diffusion arm runs on the same actor as its
+        # baseline; the Free drafter simply does not use the draft network.
+        ("ddpm_block_free", "spec_block", {"drafter": "free"}, "digits-ddpm-draft"),
+        ("ddpm_block_model", "spec_block", {"drafter": "model"}, "digits-ddpm-draft"),
+    ]
+    return (_family_arms("", "discrete_ar", "digits-gpt-target", gpt_draft, discrete)
+            + _family_arms("mar_", "continuous_ar", "digits-mar-target", "digits-mar-draft", continuous)
+            + _family_arms("ddpm_", "diffusion", "digits-ddpm", "digits-ddpm-draft", diffusion))
 
 
 def builtin_demo_dict() -> dict[str, Any]:
@@ -501,7 +708,7 @@ def builtin_demo_dict() -> dict[str, Any]:
 
 
 def builtin_demo_job(**overrides: Any) -> JobSpec:
-    """All six discrete methods on the digits presets, 100 samples per class, output runs/demo."""
+    """Every method of the three families on the digits presets, 100 samples per class, output runs/demo."""
     return load_job(builtin_demo_dict(), **overrides)
 
 

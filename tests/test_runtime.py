@@ -419,6 +419,7 @@ def test_assigned_device_follows_ray_gpu_ids(monkeypatch):
 
     from specray.runtime.actor import assigned_device
 
+    monkeypatch.setattr(ray, "is_initialized", lambda: True)  # as inside a Ray worker (else: CPU, Ray not started)
     monkeypatch.setattr(ray, "get_gpu_ids", lambda: [])
     assert assigned_device() == torch.device("cpu")
     monkeypatch.setattr(ray, "get_gpu_ids", lambda: [3])

@@ -168,17 +168,22 @@ def test_arms_of_different_pairs_form_separate_groups(tmp_path):
     assert [a.name for a in groups[0][1]] == ["target_only", "fake_sd"]
 
 
-def test_builtin_demo_has_the_six_discrete_methods():
+def test_builtin_demo_has_every_method_of_the_three_families():
     data = builtin_demo_dict()
-    assert [a["method"] for a in data["arms"]] == ["target_only", "sd", "block", "lantern", "cool_sd", "uniform_rsd"]
+    methods = {(a["family"], a["method"]) for a in data["arms"]}
+    discrete = {("discrete_ar", m) for m in ("target_only", "sd", "block", "lantern", "cool_sd", "uniform_rsd")}
+    assert discrete <= methods
+    assert {("continuous_ar", "target_only"), ("continuous_ar", "cspd"),
+            ("diffusion", "target_only"), ("diffusion", "spec_block")} <= methods
     assert data["output"] == "runs/demo" and data["conditions"]["per_class"] == 100
-    try:
-        spec = builtin_demo_job()
-    except SpecError as exc:  # the discrete family is written in parallel; its absence must be named
-        assert exc.field_path.startswith("arms[")
-        pytest.skip(f"discrete family not available yet: {exc}")
-    assert spec.num_samples == 1000 and len(spec.arms) == 6
-    assert len(spec.arm_groups()) == 1
+    spec = builtin_demo_job()
+    assert spec.num_samples == 1000
+    # One arm group per family, so every arm is timed on the same actor as its baseline.
+    assert len(spec.arm_groups()) == 3
+    # Each family has target_only replicas at other seeds for the FID seed spread.
+    for family in ("discrete_ar", "continuous_ar", "diffusion"):
+        offsets = {a.seed_offset for a in spec.arms if a.family == family and a.method == "target_only"}
+        assert len(offsets) >= 3
 
 
 def test_example_jobs_validate():

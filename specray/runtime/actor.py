@@ -37,15 +37,39 @@ def assigned_device() -> torch.device:
     Ray restricts ``CUDA_VISIBLE_DEVICES`` to the assigned GPUs, so the
     assigned id's position in that list is its CUDA index here.
     """
-    try:
-        gpu_ids = [str(g) for g in ray.get_gpu_ids()]
-    except Exception:  # not inside Ray
-        gpu_ids = []
+    gpu_ids = _ray_gpu_ids()
     if not gpu_ids:
         return torch.device("cpu")
     visible = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
     index = visible.index(gpu_ids[0]) if gpu_ids[0] in visible else int(gpu_ids[0])
     return torch.device(f"cuda:{index}")
+
+
+def _ray_gpu_ids() -> list[str]:
+    """GPU ids Ray assigned to this process; none outside Ray (never starts Ray as a side effect)."""
+    if not ray.is_initialized():
+        return []
+    try:
+        return [str(g) for g in ray.get_gpu_ids()]
+    except Exception:
+        return []
+
+
+class DeviceFailure(RuntimeError):
+    """A CUDA / out-of-memory error: this actor's device state is not trusted any more.
+
+    The coordinator kills the actor that raised it and starts a replacement,
+    instead of retrying on a process in a broken state.
+    """
+
+
+def actor_tag() -> str:
+    """``<node id[:8]>:<pid>``: which worker process generated a row (speedups are paired per actor)."""
+    try:
+        node = ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
+    except Exception:
+        node = None
+    return f"{(node or 'local')[:8]}:{os.getpid()}"
 
 
 def is_fatal_device_error(exc: BaseException) -> bool:
@@ -70,19 +94,31 @@ class ShardWorker:
             torch.set_num_threads(max(1, int(spec.num_cpus_per_actor)))
         self._pairs: dict[tuple[str, str, str | None], ModelPair] = {}
         self._versions = {"specray_version": specray.__version__, "torch_version": torch.__version__}
+        self.actor = actor_tag()
+        self._broken: str | None = None  # set by a device failure: refuse further work
 
     def info(self) -> dict[str, Any]:
+        """Who and where this worker is; the coordinator awaits it before handing out work."""
         return {"device": str(self.device), "pid": os.getpid(), "host": socket.gethostname(),
-                "threads": torch.get_num_threads()}
+                "actor": self.actor, "threads": torch.get_num_threads()}
+
+    def gpu_assignment(self) -> dict[str, Any]:
+        """What Ray gave this worker and what it made of it (read by the GPU-pinning test)."""
+        return {"gpu_ids": _ray_gpu_ids(), "device": str(self.device), "actor": self.actor,
+                "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+                "cuda_initialized": torch.cuda.is_initialized()}
 
     def run_task(self, task: ShardTask) -> list[dict[str, Any]]:
         """Generate every arm of ``task`` on its shard and commit the files; returns their records."""
+        if self._broken is not None:
+            raise DeviceFailure(f"actor {self.actor} had a device failure earlier ({self._broken}); not reusing it")
         try:
             return [f.to_dict() for f in self._run(task)]
         except BaseException as exc:
-            if is_fatal_device_error(exc) and _inside_actor():
-                log.error("fatal device error on %s, exiting so the actor is replaced: %s", self.device, exc)
-                os._exit(1)
+            if is_fatal_device_error(exc):
+                self._broken = f"{type(exc).__name__}: {exc}"
+                log.error("fatal device error on %s (%s) in %s: %s", self.device, self.actor, task.label, exc)
+                raise DeviceFailure(f"{task.label} on {self.device} ({self.actor}): {self._broken}") from exc
             raise
 
     def _pair(self, key: tuple[str, str, str | None]) -> ModelPair:
@@ -92,24 +128,33 @@ class ShardWorker:
         return self._pairs[key]
 
     def _run(self, task: ShardTask) -> list[CommittedFile]:
+        relpaths = {arm.name: shard_relpath(arm.name, task.shard.index, task.shard.num_shards) for arm in task.arms}
+        # A retry after a death between commit and reply finds some files already there: they hold
+        # exactly what this run would write (samples are pure functions of seed and id), so keep them.
+        done = {name: self.store.describe(path) for name, path in relpaths.items() if self.store.is_committed(path)}
+        arms = [arm for arm in task.arms if arm.name not in done]
+        if not arms:
+            return [done[arm.name] for arm in task.arms]
         pair = self._pair(task.group_key)
         loop = family_loop(task.group_key[0])
-        rows: dict[str, list[dict[str, Any]]] = {arm.name: [] for arm in task.arms}
+        rows: dict[str, list[dict[str, Any]]] = {arm.name: [] for arm in arms}
         # Batch-major, arms in job order: each arm sees the same batches with the same
         # seeds on the same actor at nearly the same time (paired wall times).
         for start, stop in task.shard.batch_ranges():
             sample_ids, labels = self.plan.batch(start, stop)
-            for arm in task.arms:
+            for arm in arms:
                 began = time.perf_counter()
-                result = loop.run_batch(arm.method, arm.params, pair, labels, sample_ids, self.spec.seed)
+                result = loop.run_batch(arm.method, arm.params, pair, labels, sample_ids, self.arm_seed(arm))
                 wall = time.perf_counter() - began
                 result.batch_wall_time_s = wall
                 rows[arm.name].extend(self._rows(arm, result, sample_ids, labels))
-        return [
-            self.store.write_shard(shard_relpath(arm.name, task.shard.index, task.shard.num_shards),
-                                   rows_to_table(rows[arm.name]))
-            for arm in task.arms
-        ]
+        for arm in arms:
+            done[arm.name] = self.store.write_shard(relpaths[arm.name], rows_to_table(rows.pop(arm.name)))
+        return [done[arm.name] for arm in task.arms]
+
+    def arm_seed(self, arm: ArmSpec) -> int:
+        """The seed of every sample of ``arm``: the job seed shifted by the arm's ``seed_offset``."""
+        return self.spec.seed + int(getattr(arm, "seed_offset", 0))
 
     def _rows(self, arm: ArmSpec, result: GenerationResult, sample_ids: torch.Tensor,
               labels: torch.Tensor) -> list[dict[str, Any]]:
@@ -127,14 +172,14 @@ class ShardWorker:
             rows.append({
                 "job_id": self.spec.job_id, "arm": arm.name, "method": arm.method, "family": arm.family,
                 "target": arm.target, "draft": arm.draft,
-                "sample_id": int(sample_ids[row]), "seed": self.spec.seed, "class_label": int(labels[row]),
+                "sample_id": int(sample_ids[row]), "seed": self.arm_seed(arm), "class_label": int(labels[row]),
                 "image": {"bytes": encode_png(image), "path": None},
                 "height": int(image.shape[0]), "width": int(image.shape[1]),
                 **record,
                 "accepted_per_position": [int(v) for v in record["accepted_per_position"]],
                 "batch_size": batch, "batch_wall_time_s": result.batch_wall_time_s,
                 "sample_wall_time_s": result.batch_wall_time_s / batch,
-                "params": params, **self._versions, "device": str(self.device),
+                "params": params, **self._versions, "device": str(self.device), "actor": self.actor,
                 "extra_stats": json.dumps(extra, sort_keys=True, default=_json_default),
             })
         return rows
@@ -144,13 +189,6 @@ def _json_default(value: Any) -> Any:
     if isinstance(value, (np.generic, torch.Tensor)):
         return value.tolist()
     return str(value)
-
-
-def _inside_actor() -> bool:
-    try:
-        return ray.is_initialized() and ray.get_runtime_context().get_actor_id() is not None
-    except Exception:
-        return False
 
 
 GenerationActor = ray.remote(max_restarts=0, max_task_retries=0)(ShardWorker)

@@ -2,9 +2,14 @@
 
 The driver touches no accelerator: it only plans, dispatches and counts. Work
 units are :class:`ShardTask` s (one shard of one arm group). A task that fails
-is retried on another actor (up to ``max_shard_retries`` times); an actor that
-died is replaced. Output is written by the actors, one atomic file per
-(arm, shard), so a retried or resumed task can never leave a sample twice.
+is retried on another actor (up to ``max_shard_retries`` times per task; then
+:class:`ShardFailedError` names the shard). An actor that died (SIGKILL, lost
+node, preempted spot instance) or reported a CUDA / out-of-memory
+:class:`~specray.runtime.actor.DeviceFailure` is killed and replaced; work goes
+only to actors that are up, so a replacement waiting for resources blocks
+nothing. Output is written by the actors, one atomic file per (arm, shard), so
+a retried or resumed task can never leave a sample twice. The driver's memory
+is bounded by the number of shards and actors, not by the number of samples.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from specray.spec import JobSpec, SpecError, with_output
 log = logging.getLogger("specray.runtime")
 
 MANIFEST_FORMAT = 1
+STARVED_WARNING_S = 60.0
 
 
 class ShardFailedError(RuntimeError):
@@ -49,6 +55,8 @@ class RunResult:
     actors: int
     wall_time_s: float
     rows_written: int = 0
+    actors_replaced: int = 0
+    actor_startup_s: float = 0.0  # from dispatch start until the first actor could take work
 
 
 # ---------------------------------------------------------------- planning and resume
@@ -152,6 +160,8 @@ def run_job(spec: JobSpec, *, ray_address: str | None = None, num_cpus: int | No
             show_progress: bool = True) -> RunResult:
     """Run ``spec`` to completion (resuming from committed shards) and write the manifest."""
     started = time.time()
+    # The spec's storage options (endpoint, region; never credentials), then the caller's on top.
+    storage_options = {**getattr(spec, "storage_options", {}), **(storage_options or {})} or None
     if "://" not in spec.output and not os.path.isabs(spec.output):
         # Actors may run in another working directory: give them the driver's meaning of the path.
         spec = with_output(spec, os.path.abspath(spec.output))
@@ -169,7 +179,7 @@ def run_job(spec: JobSpec, *, ray_address: str | None = None, num_cpus: int | No
              spec.job_id, plan.num_samples, len(spec.arms), total_rows, plan.num_shards, committed_rows, len(tasks))
 
     written: dict[str, CommittedFile] = {}
-    retries, pool_size, devices = 0, 0, []
+    retries, replaced, pool_size, devices, startup = 0, 0, 0, [], 0.0
     started_ray = connect_ray(ray_address, num_cpus) if tasks else False
     try:
         if tasks:
@@ -187,7 +197,9 @@ def run_job(spec: JobSpec, *, ray_address: str | None = None, num_cpus: int | No
                     written = dispatcher.run(tasks)
                 finally:
                     dispatcher.shutdown()
-                retries, devices = dispatcher.retries, dispatcher.devices
+                    store.remove_stale_temps()  # temp files of writers killed mid-commit (never visible)
+                retries, replaced, devices = dispatcher.retries, dispatcher.replaced, dispatcher.devices
+                startup = dispatcher.startup_s
     finally:
         if started_ray:
             ray.shutdown()
@@ -201,20 +213,36 @@ def run_job(spec: JobSpec, *, ray_address: str | None = None, num_cpus: int | No
     return RunResult(output=spec.output, manifest=manifest, num_tasks=plan.num_shards * len(spec.arm_groups()),
                      tasks_run=len(tasks), tasks_skipped=plan.num_shards * len(spec.arm_groups()) - len(tasks),
                      retries=retries, actors=pool_size, wall_time_s=wall,
-                     rows_written=sum(f.rows for f in written.values()))
+                     rows_written=sum(f.rows for f in written.values()), actors_replaced=replaced,
+                     actor_startup_s=startup)
 
 
 class _Dispatcher:
-    """Hands tasks to idle actors, retries failures elsewhere, replaces dead actors."""
+    """Hands tasks to ready actors, retries failures elsewhere, replaces dead or broken actors.
+
+    Memory stays bounded by the number of tasks and actors: the driver holds task
+    indices, counters and one small record per committed file, never sample data.
+    Work goes only to actors that answered :meth:`ShardWorker.info`, so a
+    replacement that the cluster cannot place yet (a node was lost) holds no task
+    hostage: the others take the queue while it waits for resources.
+    """
 
     def __init__(self, spec: JobSpec, storage_options: dict[str, Any] | None, pool_size: int, progress: Progress):
         self.spec = spec
         self.storage_options = storage_options
         self.progress = progress
         self.retries = 0
+        self.replaced = 0
         self.devices: list[str] = []
         self._next_actor_id = 0
         self.actors: dict[int, Any] = {}  # actor id -> handle (ids are never reused)
+        self.tags: dict[int, str] = {}  # actor id -> "<node>:<pid>", once it answered
+        self._starting: dict[Any, int] = {}  # info ref -> actor id, until the actor is placed and constructed
+        self._idle: collections.deque[int] = collections.deque()
+        self._start_failures = 0
+        self._created = time.monotonic()
+        self.startup_s = 0.0
+        self._max_start_failures = 3 * pool_size + spec.max_shard_retries
         for _ in range(pool_size):
             self._start_actor()
 
@@ -223,99 +251,140 @@ class _Dispatcher:
 
         actor_id = self._next_actor_id
         self._next_actor_id += 1
-        self.actors[actor_id] = GenerationActor.options(
+        handle = GenerationActor.options(
             num_cpus=self.spec.num_cpus_per_actor, num_gpus=self.spec.num_gpus_per_actor,
         ).remote(self.spec, self.storage_options)
+        self.actors[actor_id] = handle
+        self._starting[handle.info.remote()] = actor_id
         return actor_id
 
     def run(self, tasks: list[ShardTask]) -> dict[str, CommittedFile]:
-        from ray.exceptions import RayActorError, RayTaskError
-
         pending = collections.deque(range(len(tasks)))
         failures: dict[int, int] = collections.Counter()
         avoid: dict[int, set[int]] = collections.defaultdict(set)  # task -> actors it failed on
-        idle = collections.deque(self.actors)
         in_flight: dict[Any, tuple[int, int]] = {}  # ref -> (actor id, task index)
         written: dict[str, CommittedFile] = {}
-        info_refs = {self.actors[a].info.remote(): a for a in self.actors}
         failure: ShardFailedError | None = None
+        waiting_since = time.monotonic()
 
         while pending or in_flight:
-            self._assign(tasks, pending, idle, in_flight, avoid)
-            ready, _ = ray.wait(list(in_flight), num_returns=1, timeout=1.0)
+            self._assign(tasks, pending, in_flight, avoid)
+            ready, _ = ray.wait([*in_flight, *self._starting], num_returns=1, timeout=1.0)
             self.progress.tick()
-            for ref in ready:
-                actor_id, index = in_flight.pop(ref)
-                task = tasks[index]
-                try:
-                    records = ray.get(ref)
-                except (RayActorError, RayTaskError) as exc:
-                    failures[index] += 1
-                    self.retries += 1
-                    self.progress.retry()
-                    avoid[index].add(actor_id)
-                    reason = _short_error(exc)
-                    if isinstance(exc, RayActorError):
-                        log.warning("actor %d died while running %s (%s); replacing it", actor_id, task.label, reason)
-                        self._replace(actor_id, idle)
-                    else:
-                        idle.append(actor_id)
-                    if failures[index] > self.spec.max_shard_retries:
-                        # Let the shards in flight finish (their commits are valid), then fail.
-                        failure = failure or ShardFailedError(
-                            f"{task.label} failed {failures[index]} times (max_shard_retries="
-                            f"{self.spec.max_shard_retries}); last error: {reason}. Shards already committed "
-                            f"stay valid: fix the cause and rerun the job to resume")
-                        pending.clear()
-                        continue
-                    log.warning("%s failed on actor %d (attempt %d): %s; retrying on another actor",
-                                task.label, actor_id, failures[index], reason)
-                    pending.appendleft(index)
+            if not ready:
+                waiting_since = self._warn_if_starved(in_flight, waiting_since)
+                continue
+            waiting_since = time.monotonic()
+            ref = ready[0]
+            if ref in self._starting:
+                self._on_started(ref)
+                continue
+            actor_id, index = in_flight.pop(ref)
+            task = tasks[index]
+            try:
+                records = ray.get(ref)
+            except ray.exceptions.RayError as exc:
+                failures[index] += 1
+                self.retries += 1
+                self.progress.retry()
+                avoid[index].add(actor_id)
+                reason = _short_error(exc)
+                self._after_failure(actor_id, task, exc, reason)
+                if failures[index] > self.spec.max_shard_retries:
+                    # Let the shards in flight finish (their commits are valid), then fail.
+                    failure = failure or ShardFailedError(
+                        f"{task.label} failed {failures[index]} times (max_shard_retries="
+                        f"{self.spec.max_shard_retries}); last error: {reason}. Shards already committed "
+                        f"stay valid: fix the cause and rerun the job to resume")
+                    pending.clear()
                     continue
-                for record in records:
-                    committed = CommittedFile(**record)
-                    written[committed.path] = committed
-                self.progress.advance(task.num_rows)
-                idle.append(actor_id)
+                log.warning("%s failed on actor %d (attempt %d): %s; retrying on another actor",
+                            task.label, actor_id, failures[index], reason)
+                pending.appendleft(index)
+                continue
+            for record in records:
+                committed = CommittedFile(**record)
+                written[committed.path] = committed
+            self.progress.advance(task.num_rows)
+            self._idle.append(actor_id)
         if failure is not None:
             raise failure
-        self._collect_devices(info_refs)
         return written
 
-    def _assign(self, tasks: list[ShardTask], pending: collections.deque, idle: collections.deque,
+    def _after_failure(self, actor_id: int, task: ShardTask, exc: BaseException, reason: str) -> None:
+        """A dead actor, or one whose device failed, is replaced; after an ordinary error it takes work again."""
+        from specray.runtime.actor import DeviceFailure
+
+        who = f"actor {actor_id} ({self.tags.get(actor_id, '?')})"
+        if isinstance(exc, ray.exceptions.RayTaskError) and not isinstance(exc.cause, DeviceFailure):
+            self._idle.append(actor_id)
+            return
+        if isinstance(exc, ray.exceptions.RayTaskError):
+            log.warning("%s had a device failure in %s (%s); replacing it", who, task.label, reason)
+        else:
+            log.warning("%s died while running %s (%s); replacing it", who, task.label, reason)
+        self._replace(actor_id)
+
+    def _on_started(self, ref: Any) -> None:
+        actor_id = self._starting.pop(ref)
+        try:
+            info = ray.get(ref)
+        except ray.exceptions.RayError as exc:
+            self._start_failures += 1
+            if self._start_failures > self._max_start_failures:
+                raise RuntimeError(f"generation actors keep dying before they start ({self._start_failures} "
+                                   f"times); last error: {_short_error(exc)}") from None
+            log.warning("actor %d died while starting (%s); replacing it", actor_id, _short_error(exc))
+            self._replace(actor_id)
+            return
+        self.tags[actor_id] = info.get("actor", "?")
+        if not self.startup_s:
+            self.startup_s = time.monotonic() - self._created
+        self.devices.append(info["device"])
+        log.info("actor %d ready: %s on %s", actor_id, self.tags[actor_id], info["device"])
+        self._idle.append(actor_id)
+
+    def _assign(self, tasks: list[ShardTask], pending: collections.deque,
                 in_flight: dict[Any, tuple[int, int]], avoid: dict[int, set[int]]) -> None:
-        for _ in range(len(idle)):
+        for _ in range(len(self._idle)):
             if not pending:
                 return
-            actor_id = idle.popleft()
+            actor_id = self._idle.popleft()
             choice = next((i for i in pending if actor_id not in avoid[i]), None)
             if choice is None:
                 # Every pending task already failed here; use this actor only if no other actor is left to try.
                 others = [a for a in self.actors if a != actor_id]
                 first = pending[0]
                 if others and not all(a in avoid[first] for a in others):
-                    idle.append(actor_id)
+                    self._idle.append(actor_id)
                     continue
                 choice = first
             pending.remove(choice)
             in_flight[self.actors[actor_id].run_task.remote(tasks[choice])] = (actor_id, choice)
 
-    def _replace(self, actor_id: int, idle: collections.deque) -> None:
+    def _replace(self, actor_id: int) -> None:
         handle = self.actors.pop(actor_id)
+        if actor_id in self._idle:
+            self._idle.remove(actor_id)
         ray.kill(handle, no_restart=True)
-        idle.append(self._start_actor())
+        self.replaced += 1
+        self._start_actor()
 
-    def _collect_devices(self, info_refs: dict[Any, int]) -> None:
-        for ref in info_refs:
-            try:
-                self.devices.append(ray.get(ref, timeout=5)["device"])
-            except Exception:  # an actor that died before answering
-                pass
+    def _warn_if_starved(self, in_flight: dict[Any, tuple[int, int]], since: float) -> float:
+        """Nothing finished for a while and nothing runs: say that the job waits for cluster resources."""
+        if in_flight or time.monotonic() - since < STARVED_WARNING_S:
+            return since
+        log.warning("no generation actor is running: %d actors wait to be placed (the cluster lacks the "
+                    "resources they ask for: num_cpus=%s, num_gpus=%s); available: %s", len(self._starting),
+                    self.spec.num_cpus_per_actor, self.spec.num_gpus_per_actor, ray.available_resources())
+        return time.monotonic()
 
     def shutdown(self) -> None:
         for handle in self.actors.values():
             ray.kill(handle, no_restart=True)
         self.actors.clear()
+        self._starting.clear()
+        self._idle.clear()
 
 
 def _short_error(exc: BaseException) -> str:
@@ -349,7 +418,8 @@ def build_manifest(spec: JobSpec, plan: ShardPlan, store: RunStore, written: dic
         "spec": public_spec(spec),
         "layout": plan.layout(),
         "arms": [{"name": a.name, "family": a.family, "method": a.method, "target": a.target, "draft": a.draft,
-                  "params": a.params, "fingerprint": a.fingerprint()} for a in spec.arms],
+                  "params": a.params, "seed_offset": a.seed_offset, "fingerprint": a.fingerprint()}
+                 for a in spec.arms],
         "num_rows": sum(s["rows"] for s in shards),
         "shards": shards,
         "versions": {"specray": specray.__version__, "torch": torch.__version__, "ray": ray.__version__,

@@ -1,12 +1,16 @@
 """Live progress of a run: samples done / total, samples per second, ETA, retries.
 
-On a terminal it is a tqdm bar; otherwise (Ray job logs, CI) it is a plain log
-line every ``log_interval_s`` seconds, so the job logs show progress too.
+On a terminal it is a tqdm bar (done/total, samples/s, ETA, retries); otherwise
+(Ray job logs, CI, a redirected stderr) it is a plain line every
+``log_interval_s`` seconds (default 15, or ``SPECRAY_PROGRESS_INTERVAL_S``), at
+every retry and at the end, so the job logs show progress too. "Samples" counts
+rows: one generated image of one arm.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import time
 from datetime import timedelta
@@ -17,8 +21,10 @@ log = logging.getLogger("specray.progress")
 
 
 class Progress:
-    def __init__(self, total: int, already_done: int = 0, *, enabled: bool = True, log_interval_s: float = 15.0,
-                 stream=None):
+    def __init__(self, total: int, already_done: int = 0, *, enabled: bool = True,
+                 log_interval_s: float | None = None, stream=None):
+        if log_interval_s is None:
+            log_interval_s = float(os.environ.get("SPECRAY_PROGRESS_INTERVAL_S", 15.0))
         self.total = total
         self.done = already_done
         self.initial = already_done
@@ -27,11 +33,11 @@ class Progress:
         self.log_interval_s = log_interval_s
         self.stream = stream or sys.stderr
         self._started = time.monotonic()
-        self._last_line = 0.0
+        self._last_line = float("-inf")  # the first tick prints
         self._bar: tqdm | None = None
         if enabled and _is_tty(self.stream):
             self._bar = tqdm(total=total, initial=already_done, unit="sample", dynamic_ncols=True,
-                             file=self.stream, smoothing=0.1)
+                             file=self.stream, smoothing=0.1, postfix={"retries": 0})
 
     def __enter__(self) -> "Progress":
         return self

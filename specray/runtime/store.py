@@ -33,6 +33,7 @@ from specray.runtime import fs as storage
 MANIFEST_NAME = "_manifest.json"
 JOB_RECORD_NAME = "_job.json"
 TEMP_MARKER = ".tmp-"
+S3_PART_SIZE = 8 * 1024 * 1024  # multipart part size for large files (S3 needs >= 5 MiB)
 
 IMAGE_TYPE = pa.struct([("bytes", pa.binary()), ("path", pa.string())])
 
@@ -66,6 +67,7 @@ SAMPLE_SCHEMA = pa.schema([
     ("specray_version", pa.string()),
     ("torch_version", pa.string()),
     ("device", pa.string()),
+    ("actor", pa.string()),  # "<node id[:8]>:<pid>" of the worker that generated the row (pairs speedups per actor)
     ("extra_stats", pa.string()),
 ])
 
@@ -95,9 +97,40 @@ def rows_to_table(rows: list[dict[str, Any]]) -> pa.Table:
     return pa.Table.from_pylist(rows, schema=SAMPLE_SCHEMA)
 
 
+_HF_VALUE_TYPES = {pa.string(): "string", pa.binary(): "binary", pa.int64(): "int64", pa.int32(): "int32",
+                   pa.float64(): "float64", pa.float32(): "float32", pa.bool_(): "bool"}
+
+
+def _hf_feature(name: str, dtype: pa.DataType) -> dict[str, Any] | None:
+    if name == "image" and dtype == IMAGE_TYPE:
+        return {"_type": "Image"}
+    if pa.types.is_list(dtype):
+        inner = _hf_feature("", dtype.value_type)
+        return {"feature": inner, "_type": "Sequence"} if inner else None
+    return {"dtype": _HF_VALUE_TYPES[dtype], "_type": "Value"} if dtype in _HF_VALUE_TYPES else None
+
+
+def huggingface_features(schema: pa.Schema) -> dict[str, Any] | None:
+    """The Hugging Face ``datasets`` Features of ``schema`` ("image" decodes as an Image).
+
+    None when a column has a type this mapping does not know (``datasets`` then infers from Arrow).
+    """
+    features = {field.name: _hf_feature(field.name, field.type) for field in schema}
+    return None if any(f is None for f in features.values()) else features
+
+
+def with_huggingface_metadata(table: pa.Table) -> pa.Table:
+    """Attach the schema metadata ``datasets`` reads, so ``load_dataset("parquet", ...)`` yields images."""
+    features = huggingface_features(table.schema)
+    if features is None:
+        return table
+    text = json.dumps({"info": {"features": features}}, sort_keys=True)
+    return table.replace_schema_metadata({**(table.schema.metadata or {}), b"huggingface": text.encode()})
+
+
 def table_to_parquet_bytes(table: pa.Table) -> bytes:
     buffer = io.BytesIO()
-    pq.write_table(table, buffer, compression="zstd")
+    pq.write_table(with_huggingface_metadata(table), buffer, compression="zstd")
     return buffer.getvalue()
 
 
@@ -120,6 +153,8 @@ class RunStore:
     All I/O goes through :mod:`specray.runtime.fs`, which owns the atomic-write
     rules per backend (temp + rename locally; one PUT / completed multipart on S3).
     """
+
+    part_size: int = S3_PART_SIZE
 
     def __init__(self, output: str, storage_options: dict[str, Any] | None = None):
         self.output = output
@@ -159,8 +194,17 @@ class RunStore:
     # -- writing --------------------------------------------------------
 
     def commit_bytes(self, relpath: str, data: bytes) -> None:
-        """Make ``data`` visible at ``relpath`` in one step (never partially)."""
-        storage.atomic_write_bytes(self.uri(relpath), data, self.storage_options)
+        """Make ``data`` visible at ``relpath`` in one step (never partially).
+
+        Streams through :func:`specray.runtime.fs.atomic_writer` in ``part_size`` pieces: on S3 a
+        payload above one part becomes a multipart upload that is completed only after the last
+        part, and aborted if the writer fails, so an interrupted write leaves no object behind.
+        """
+        view = memoryview(data)
+        block = self.part_size if len(view) > self.part_size else None
+        with storage.atomic_writer(self.uri(relpath), self.storage_options, block_size=block) as handle:
+            for start in range(0, len(view), self.part_size):
+                handle.write(view[start:start + self.part_size])
 
     def write_shard(self, relpath: str, table: pa.Table) -> CommittedFile:
         data = table_to_parquet_bytes(table)

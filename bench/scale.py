@@ -1,0 +1,96 @@
+"""The large run: the fid50k job (digits presets; target_only, sd, cool_sd) at a chosen size.
+
+Runs ``jobs/fid50k.yaml`` with ``per_class`` overridden (5000 per class = 50k samples, 150k rows)
+on a local Ray, this process being the driver, and prints the wall time, the throughput and the
+driver's peak resident memory. The driver holds only shard ranges and counters, so its peak RSS
+must not grow with the sample count: compare ``--per-class 500`` with ``--per-class 5000``.
+
+    OMP_NUM_THREADS=1 python bench/scale.py --per-class 500 --output /tmp/specray-scale-5k
+    nohup python bench/scale.py --per-class 5000 --output /tmp/specray-scale-50k > scale50k.log 2>&1 &
+
+A rerun on the same output resumes (skips committed shards); use a fresh output to time a run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import resource
+import sys
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def current_rss_mb() -> float:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # kB on Linux
+
+
+class RssSampler(threading.Thread):
+    """Samples the driver's RSS once a second: peak during the run, and the value at each quarter."""
+
+    def __init__(self) -> None:
+        super().__init__(daemon=True)
+        self.samples: list[tuple[float, float]] = []
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        started = time.monotonic()
+        while not self.stop.wait(1.0):
+            self.samples.append((time.monotonic() - started, current_rss_mb()))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--per-class", type=int, default=500)
+    parser.add_argument("--output", default="/tmp/specray-scale")
+    parser.add_argument("--job", default=str(ROOT / "jobs" / "fid50k.yaml"))
+    parser.add_argument("--num-cpus", type=int, default=None, help="CPUs of the local Ray (default: all)")
+    parser.add_argument("--json", help="also write the numbers here")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+    from specray.runtime.coordinator import run_job
+    from specray.spec import load_job
+
+    spec = load_job(args.job, per_class=args.per_class, output=args.output)
+    rss_before = current_rss_mb()
+    sampler = RssSampler()
+    sampler.start()
+    began = time.perf_counter()
+    result = run_job(spec, num_cpus=args.num_cpus, show_progress=True)
+    wall = time.perf_counter() - began
+    sampler.stop.set()
+    sampler.join()
+    during = [mb for _, mb in sampler.samples]
+    numbers = {
+        "job": spec.job_id, "per_class": args.per_class, "samples": spec.num_samples, "arms": len(spec.arms),
+        "rows": result.manifest["num_rows"], "rows_written": result.rows_written, "shards": len(result.manifest["shards"]),
+        "actors": result.actors, "retries": result.retries, "wall_time_s": round(wall, 1),
+        "rows_per_s": round(result.rows_written / wall, 1),
+        "driver_rss_before_mb": round(rss_before, 1),
+        "driver_rss_max_sampled_mb": round(max(during), 1) if during else None,
+        "driver_rss_end_mb": round(current_rss_mb(), 1),
+        "driver_peak_rss_mb": round(peak_rss_mb(), 1),
+    }
+    print(json.dumps(numbers, indent=2))
+    print(f"wall time {wall / 60:.1f} min for {numbers['rows']} rows ({numbers['rows_per_s']} rows/s, "
+          f"{result.actors} actors); driver peak RSS {numbers['driver_peak_rss_mb']} MB")
+    if args.json:
+        Path(args.json).write_text(json.dumps(numbers, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
