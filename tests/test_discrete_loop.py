@@ -138,15 +138,22 @@ def test_marginal_check_detects_a_lossy_rule(pair, target_only_tokens):
     assert min(p_values) < MC_ALPHA, p_values
 
 
+@pytest.mark.slow
 def test_relaxed_rules_accept_more_than_sd(pair):
-    """Spec §9.16 on the presets: same samples and seed, 32 samples of mixed classes.
+    """Spec §9.16 on the presets: same seed (9), 256 samples of mixed classes.
+
+    256, not 32: the margins are small (uniform_rsd at delta 1.1 and block gain ~0.05-0.1 tokens
+    per target call over sd) and the arms' samples diverge after the first rejection, so 32
+    samples flip the order for some seeds (seed 1: block 2.91 < sd 2.99). At 256 samples every
+    order below holds for seeds 1, 2 and 9 (seed 9: sd 2.95, block 3.04, uniform_rsd 3.01,
+    lantern 3.13, cool_sd delta=2.0 3.28).
 
     Not asserted: COOL-SD at its default delta=1.1 vs sd. With the mean-normalised mu and
     gamma=4 the schedule is (2.36, 1.17, 0.58, 0.29), stricter than sd at positions 3-4, and
-    on these presets it accepts slightly fewer tokens than sd (2.92 vs 3.05 tokens per target
-    call on 64 samples); at delta=2.0 it accepts more.
+    on these presets it accepts fewer tokens than sd (2.81 vs 2.95 tokens per target call on
+    256 samples); at delta=2.0 it accepts more.
     """
-    labels, ids = torch.arange(32) % 10, torch.arange(32)
+    labels, ids = torch.arange(256) % 10, torch.arange(256)
 
     def mean_length(method, params=None):
         _, stats = generate_tokens(method, resolve_params(method, params or {}), pair, labels, ids, seed=9)

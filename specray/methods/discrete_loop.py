@@ -222,7 +222,10 @@ class GuidedModel:
 
     def crop(self, idx: torch.Tensor, lengths: torch.Tensor, *, all_rows: bool = False) -> None:
         if all_rows:  # idx is arange(batch): one copy instead of indexed writes
-            self.cache.crop(torch.cat([lengths, lengths]) if self.guided else lengths)
+            if self.guided:  # both CFG halves at once: a broadcast copy into the [2, batch] view
+                self.cache.lengths.view(2, self.batch).copy_(lengths)
+            else:
+                self.cache.crop(lengths)
             return
         self.cache.crop(lengths, idx)
         if self.guided:
@@ -249,7 +252,7 @@ class RoundUniforms:
         self.chunks: list[torch.Tensor] = []  # [B, positions, chunk, 3] float64
 
     def round(self, step: int, idx: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Uniforms ``[r, k, 3]`` of rows ``idx`` at ``positions [r, k]`` (clamped to the table) in round ``step``."""
+        """Uniforms ``[r, k, 3]`` of rows ``idx`` at ``positions [r, k]`` (each < ``num_positions``) in round ``step``."""
         while len(self.chunks) <= step // self.chunk:
             start = len(self.chunks) * self.chunk
             steps = torch.arange(start, start + self.chunk, device=self.positions.device)
@@ -259,7 +262,8 @@ class RoundUniforms:
                 for stream in self.STREAMS
             ], dim=-1))
         slab = self.chunks[step // self.chunk][:, :, step % self.chunk]  # [B, positions, 3]
-        return slab[idx[:, None], positions.clamp(max=self.positions.shape[0] - 1)]
+        rows = slab if idx.shape[0] == slab.shape[0] else slab[idx]  # full batch: idx is arange
+        return torch.gather(rows, 1, positions[:, :, None].expand(-1, -1, 3))
 
 
 def sequence_tokens(labels: torch.Tensor, image_tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -350,7 +354,8 @@ def _speculative(method: str, params: dict[str, Any], pair: ModelPair, labels: t
     tokens = torch.zeros(batch, num_tokens + gamma + 1, dtype=torch.int64, device=device)
     committed = torch.ones(batch, dtype=torch.int64, device=device)  # n_b after the prefill
     counters = _RowCounters.zeros(batch, gamma, device)
-    uniforms = RoundUniforms(seed, sample_ids, num_tokens)
+    # Positions up to num_tokens + gamma: a round's padded tail positions (never read) need no clamp.
+    uniforms = RoundUniforms(seed, sample_ids, num_tokens + gamma + 1)
 
     # First image token from the target prefill, keyed exactly like target_only's.
     all_rows = torch.arange(batch, device=device)
@@ -359,12 +364,14 @@ def _speculative(method: str, params: dict[str, Any], pair: ModelPair, labels: t
     tokens[:, 0] = rng.categorical(probs0, seed, sample_ids, "target", position=0)
     counters.target_calls += 1
     steps = torch.arange(gamma + 1, device=device)
+    full_rounds: list[torch.Tensor] = []  # [(n_drafts, n_acc)] of the rounds with every row active
 
     # Every active row is in round `it` (see RoundUniforms). Host syncs, which decide the Python
     # control flow: the range of draft lengths per round, plus the active rows once some are done.
     for it in range(num_tokens):
         n_drafts = (num_tokens - 1 - committed).clamp(max=gamma)  # g_b; negative once a row is done
-        g_min, g_max = (int(x) for x in torch.aminmax(n_drafts))
+        lengths = n_drafts.tolist()  # one transfer for both bounds
+        g_min, g_max = min(lengths), max(lengths)
         if g_max < 0:
             break
         full = g_min >= 0  # every row active: idx == arange(batch), no gathers, in-place updates
@@ -377,20 +384,25 @@ def _speculative(method: str, params: dict[str, Any], pair: ModelPair, labels: t
         row_labels = labels if full else labels[idx]
         row_tokens = tokens if full else tokens[idx]
         round_positions = n[:, None] + steps  # image-token index of each draft / sequence position fed in verify
+        fed_positions = round_positions - 1  # image-token index of the token fed at each of those positions
         u = uniforms.round(it, idx, round_positions[:, :gamma])  # [r, gamma, (draft, accept, residual)]
 
         # 1. DRAFT (rows with g_b <= i sit out step i; while none do, no indexing)
         if g_min == gamma:  # the common round: every row drafts gamma tokens
             drafted, draft_dists = [], []
+            step_positions = round_positions.split(1, dim=1)  # views, one call for the round
+            step_uniforms = u[:, :, 0].unbind(1)
             for i in range(gamma):
                 if i == 0:
-                    positions = torch.stack([n - 1, n], dim=1)
-                    fed = sequence_tokens(row_labels, row_tokens, positions)
+                    positions = fed_positions[:, :2]  # [n - 1, n]
+                    # From round 1 on, n >= 2: both are image tokens (no class label to place).
+                    fed = (sequence_tokens(row_labels, row_tokens, positions) if it == 0
+                           else row_tokens.gather(1, positions - 1))
                 else:
-                    positions, fed = round_positions[:, i : i + 1], drafted[-1][:, None]
+                    positions, fed = step_positions[i], drafted[-1].unsqueeze(1)
                 q = draft_stream.probs(idx, fed, positions, all_rows=full, prefix=it == 0 and i == 0)[:, -1]
                 draft_dists.append(q)
-                drafted.append(rng.sample_categorical(q, u[:, i, 0]))
+                drafted.append(rng.sample_categorical(q, step_uniforms[i]))
             drafts, Q = torch.stack(drafted, dim=1), torch.stack(draft_dists, dim=1)
         else:
             drafts = torch.zeros(r, gamma, dtype=torch.int64, device=device)
@@ -416,13 +428,18 @@ def _speculative(method: str, params: dict[str, Any], pair: ModelPair, labels: t
                 drafts[live, i] = rng.sample_categorical(q, u[live, i, 0])
 
         # 2. VERIFY: [last committed token, d_1 .. d_gamma] at sequence positions n .. n + gamma.
-        fed = torch.cat([row_tokens.gather(1, (n - 1)[:, None]), drafts], dim=1)
-        P = target_stream.probs(idx, fed, round_positions, all_rows=full, prefix=False)
+        # The drafts are written into the token buffer now: positions past the committed length are
+        # scratch (never read before a later round commits them), so the accepted ones need no copy.
+        row_tokens.scatter_(1, round_positions[:, :gamma], drafts)
+        P = target_stream.probs(idx, row_tokens.gather(1, fed_positions), round_positions, all_rows=full, prefix=False)
 
         # 3. DECIDE (rows grouped by g_b; one group, without indexing, until rows near the end)
         u_accept = u[:, :, 1]
         u_residual = u[:, 0, 2]
-        if g_min == g_max and g_min > 0:
+        if g_min == g_max == gamma:  # the common round: no slicing
+            out = verify(method, P, Q, drafts, u_accept, u_residual, rule_params)
+            n_acc, next_token = out.n_accepted, out.next_token
+        elif g_min == g_max and g_min > 0:
             out = verify(method, P[:, : g_min + 1], Q[:, :g_min], drafts[:, :g_min], u_accept[:, :g_min],
                          u_residual, rule_params)
             n_acc, next_token = out.n_accepted, out.next_token
@@ -439,33 +456,36 @@ def _speculative(method: str, params: dict[str, Any], pair: ModelPair, labels: t
                 n_acc[rows] = out.n_accepted
                 next_token[rows] = out.next_token
 
-        # 4. COMMIT
-        emitted = torch.cat([drafts, torch.zeros_like(drafts[:, :1])], dim=1)
-        emitted.scatter_(1, n_acc[:, None], next_token[:, None])
-        keep = steps[None, :] <= n_acc[:, None]
-        current = row_tokens.gather(1, round_positions)
-        row_tokens.scatter_(1, round_positions, torch.where(keep, emitted, current))
+        # 4. COMMIT: the accepted drafts are in place; the correction / bonus token follows them.
+        last = n + n_acc
+        row_tokens.scatter_(1, last[:, None], next_token[:, None])
         if not full:
             tokens[idx] = row_tokens
-        new_n = n + n_acc + 1
+        new_n = last + 1
         target_stream.crop(idx, new_n, all_rows=full)  # seq positions 0 .. n + n_acc hold committed K/V
-        draft_stream.crop(idx, torch.minimum(new_n, n + n_drafts).clamp(min=n), all_rows=full)
+        if g_min == gamma:  # every row drafted gamma: its draft cache holds up to n + gamma
+            draft_stream.crop(idx, torch.minimum(new_n, round_positions[:, gamma]), all_rows=full)
+        else:
+            draft_stream.crop(idx, torch.minimum(new_n, n + n_drafts).clamp(min=n), all_rows=full)
         if full:
             committed.copy_(new_n)
         else:
             committed[idx] = new_n
 
-        accepted_at = steps[None, :gamma] < n_acc[:, None]
-        if full:
-            counters.rounds += 1
-            counters.drafted += n_drafts
-            counters.accepted += n_acc
-            counters.accepted_per_position += accepted_at
+        if full:  # summed once after the loop (integer sums: the same counts)
+            full_rounds.append(torch.stack([n_drafts, n_acc]))
         else:
+            accepted_at = steps[None, :gamma] < n_acc[:, None]
             counters.rounds[idx] += 1
             counters.drafted[idx] += n_drafts
             counters.accepted[idx] += n_acc
             counters.accepted_per_position[idx] += accepted_at.long()
+    if full_rounds:
+        per_round = torch.stack(full_rounds)  # [rounds, (drafted, accepted), batch]
+        counters.rounds += len(full_rounds)
+        counters.drafted += per_round[:, 0].sum(0)
+        counters.accepted += per_round[:, 1].sum(0)
+        counters.accepted_per_position += (steps[None, :gamma, None] < per_round[:, 1, None, :]).sum(0).T
     counters.target_calls += counters.rounds  # one verify call per round (plus the prefill)
     counters.draft_calls += counters.drafted  # one draft call per drafted position
     return tokens[:, :num_tokens], counters

@@ -49,6 +49,7 @@ Defaults chosen for the spec's open points (documented here, configurable in :cl
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -173,11 +174,30 @@ def rule_omegas(rule: str, gamma: int, params: RuleParams) -> torch.Tensor:
     return torch.ones(gamma, dtype=_F64)
 
 
+@functools.lru_cache(maxsize=256)
+def _cached_omegas(rule: str, gamma: int, delta: float | None, nu: float | None, mu: float | None,
+                   device: torch.device) -> torch.Tensor:
+    """:func:`rule_omegas` on ``device``, built once per schedule (the loops call verify every round).
+
+    Read-only: callers must not modify the returned tensor.
+    """
+    return rule_omegas(rule, gamma, RuleParams(delta=delta, nu=nu, mu=mu)).to(device)
+
+
+def _omegas_on(rule: str, gamma: int, params: RuleParams, device: torch.device) -> torch.Tensor:
+    return _cached_omegas(rule, gamma, params.delta, params.nu, params.mu, device)
+
+
 def _ratio_prob(numerator: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     """min(1, numerator / q), with q = 0 meaning 'accept iff numerator > 0'."""
-    safe_q = torch.where(q > 0, q, torch.ones_like(q))
-    ratio = torch.where(q > 0, numerator / safe_q, (numerator > 0).to(_F64))
-    return ratio.clamp(max=1.0)
+    # numerator / 0 is inf or nan there, but torch.where discards it: same values as dividing
+    # by a substituted 1, two kernels fewer (this runs once per round and per block weight).
+    return torch.where(q > 0, numerator / q, (numerator > 0).to(_F64)).clamp_(max=1.0)
+
+
+def _at_draft(dist: torch.Tensor, drafts: torch.Tensor) -> torch.Tensor:
+    """``dist[b, i, drafts[b, i]]`` for ``dist [B, >= γ, V]`` and ``drafts [B, γ]``."""
+    return torch.gather(dist[:, : drafts.shape[1]], -1, drafts.unsqueeze(-1)).squeeze(-1)
 
 
 def relaxed_draft_mass(rule: str, P: torch.Tensor, drafts: torch.Tensor, params: RuleParams) -> torch.Tensor:
@@ -187,26 +207,30 @@ def relaxed_draft_mass(rule: str, P: torch.Tensor, drafts: torch.Tensor, params:
     lantern: P̃_i(d_i).
     """
     gamma = drafts.shape[1]
-    p_draft = torch.gather(P[:, :gamma], -1, drafts.unsqueeze(-1)).squeeze(-1)
     if rule == "lantern":
         relaxed, _ = relaxed_target_mass(
             P[:, :gamma], drafts, params.neighbours, params.k, params.mode, params.lam,
             params.delta, params.forbid_zero_target_mass,
         )
         return relaxed
-    return rule_omegas(rule, gamma, params).to(P.device) * p_draft
+    p_draft = _at_draft(P, drafts)
+    if rule == "sd":  # ω = 1: the product would return p_draft bit for bit
+        return p_draft
+    return _omegas_on(rule, gamma, params, P.device) * p_draft
 
 
 def block_weights(P: torch.Tensor, Q: torch.Tensor, drafts: torch.Tensor) -> torch.Tensor:
     """Capped cumulative likelihood ratios ``w_0 = 1, w_i = min(1, w_{i−1} P_i(d_i)/Q_i(d_i))``: ``[B, γ+1]``."""
-    gamma = drafts.shape[1]
-    p_draft = torch.gather(P[:, :gamma], -1, drafts.unsqueeze(-1)).squeeze(-1)
-    q_draft = torch.gather(Q, -1, drafts.unsqueeze(-1)).squeeze(-1)
+    p_draft = _at_draft(P, drafts)
+    q_draft = _at_draft(Q, drafts)
     weights = [torch.ones_like(p_draft[:, 0])]
-    for i in range(gamma):
-        # min(1, w·P/Q) without 0·inf: a zero weight stays zero, Q = 0 caps at 1 when P > 0.
-        step = _ratio_prob(weights[-1] * p_draft[:, i], q_draft[:, i])
-        weights.append(torch.where(weights[-1] > 0, step, torch.zeros_like(step)))
+    # Columns as views, one call each, instead of an index op per position.
+    for p_i, q_i, q_positive in zip(p_draft.unbind(1), q_draft.unbind(1), (q_draft > 0).unbind(1)):
+        # min(1, w·P/Q), Q = 0 capping at 1 when w·P > 0 (see _ratio_prob); (w·P)/Q, not w·(P/Q),
+        # is the rounding of the scalar recursion. A zero weight stays zero: 0·P = 0 for the finite,
+        # normalised P this takes, so no separate mask is needed.
+        numerator = weights[-1] * p_i
+        weights.append(torch.where(q_positive, numerator / q_i, (numerator > 0).to(_F64)).clamp_(max=1.0))
     return torch.stack(weights, dim=1)
 
 
@@ -218,8 +242,8 @@ def block_stop_probs(P: torch.Tensor, Q: torch.Tensor, weights: torch.Tensor) ->
     residual_mass = (w * P[:, :gamma] - Q).clamp(min=0).sum(-1)  # Z_0 .. Z_{γ−1}
     z = residual_mass[:, 1:]
     denominator = z + 1.0 - weights[:, 1:gamma]
-    safe = torch.where(denominator > 0, denominator, torch.ones_like(denominator))
-    inner = torch.where(denominator > 0, z / safe, torch.ones_like(z)).clamp(0.0, 1.0)
+    # z / denominator is only kept where denominator > 0 (see _ratio_prob).
+    inner = torch.where(denominator > 0, z / denominator, 1.0).clamp_(0.0, 1.0)
     return torch.cat([inner, weights[:, gamma:]], dim=1)
 
 
@@ -231,32 +255,43 @@ def acceptance_probs(rule: str, P: torch.Tensor, Q: torch.Tensor, drafts: torch.
     first failure). Block: the stop probabilities h_i (τ = last passing position).
     P and Q must be normalised float64 (see :func:`normalise`).
     """
+    return _acceptance_probs(rule, P, Q, drafts, params)[0]
+
+
+def _acceptance_probs(rule: str, P: torch.Tensor, Q: torch.Tensor, drafts: torch.Tensor,
+                      params: RuleParams) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`acceptance_probs` plus block's weights (None for the chain rules), reused by the residual."""
     if rule == "block":
-        return block_stop_probs(P, Q, block_weights(P, Q, drafts))
-    q_draft = torch.gather(Q, -1, drafts.unsqueeze(-1)).squeeze(-1)
-    return _ratio_prob(relaxed_draft_mass(rule, P, drafts, params), q_draft)
+        weights = block_weights(P, Q, drafts)
+        return block_stop_probs(P, Q, weights), weights
+    return _ratio_prob(relaxed_draft_mass(rule, P, drafts, params), _at_draft(Q, drafts)), None
 
 
 def decide_accepted(rule: str, passed: torch.Tensor) -> torch.Tensor:
     """Number of accepted drafts ``[B]`` from per-position pass events ``[B, γ]``."""
     if rule == "block":
-        positions = torch.arange(1, passed.shape[1] + 1, device=passed.device)
+        positions = _arange(passed.shape[1] + 1, passed.device)[1:]
         return (passed.to(torch.int64) * positions).max(dim=1).values  # last passing index, NOT a prefix
     return torch.cumprod(passed.to(torch.int64), dim=1).sum(dim=1)
 
 
 def _row_at(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """``x[b, index[b]]`` for ``x[B, L, ...]``."""
-    return x[torch.arange(x.shape[0], device=x.device), index]
+    """``x[b, index[b]]`` for ``x[B, L, ...]`` (one gather, no index tensor built per call)."""
+    if x.dim() == 2:
+        return torch.gather(x, 1, index.unsqueeze(1)).squeeze(1)
+    expanded = index.view(-1, 1, *([1] * (x.dim() - 2))).expand(x.shape[0], 1, *x.shape[2:])
+    return torch.gather(x, 1, expanded).squeeze(1)
 
 
 def correction_dist(rule: str, P: torch.Tensor, Q: torch.Tensor, drafts: torch.Tensor,
-                    n_accepted: torch.Tensor, params: RuleParams) -> tuple[torch.Tensor, torch.Tensor]:
+                    n_accepted: torch.Tensor, params: RuleParams,
+                    block_w: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Unnormalised law of the token emitted after ``n_accepted`` drafts, and a fallback flag.
 
     Returns ``(dist [B, V] float64, fallback [B] bool)``: the bonus ``P_{γ+1}`` where all γ
     drafts were accepted, otherwise the rule's residual at position j = n_accepted (0-based);
     ``fallback`` marks rows whose residual had zero mass and was replaced by the guard.
+    ``block_w``: block's weights when already computed (:func:`block_weights`), else recomputed.
     """
     gamma = drafts.shape[1]
     is_bonus = n_accepted == gamma
@@ -265,13 +300,14 @@ def correction_dist(rule: str, P: torch.Tensor, Q: torch.Tensor, drafts: torch.T
     q_j = _row_at(Q, j)
     guard = p_j
     if rule == "sd":
-        residual = (p_j - q_j).clamp(min=0)
+        residual = (p_j - q_j).clamp_(min=0)
     elif rule == "block":
-        w_tau = _row_at(block_weights(P, Q, drafts), n_accepted).unsqueeze(-1)
-        residual = (w_tau * p_j - q_j).clamp(min=0)
+        weights = block_weights(P, Q, drafts) if block_w is None else block_w
+        w_tau = _row_at(weights, n_accepted).unsqueeze(-1)
+        residual = (w_tau * p_j - q_j).clamp_(min=0)
     elif rule in ("cool_sd", "uniform_rsd"):
-        omega = rule_omegas(rule, gamma, params).to(P.device)[j].unsqueeze(-1)
-        residual = (p_j - torch.minimum(q_j, omega * p_j)).clamp(min=0)
+        omega = _row_at(_omegas_on(rule, gamma, params, P.device).expand(j.shape[0], gamma), j).unsqueeze(-1)
+        residual = (p_j - torch.minimum(q_j, omega * p_j)).clamp_(min=0)
     elif params.residual == "gstar":
         relaxed = relaxed_target_mass_all_tokens(
             p_j, params.neighbours, params.k, params.mode, params.lam, params.delta,
@@ -307,6 +343,17 @@ def _lantern_official_residual(p_j: torch.Tensor, q_j: torch.Tensor, draft_j: to
 # --------------------------------------------------------------------------------------------
 # the round
 
+
+def _as(x: torch.Tensor, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``x.to(device, dtype)``, skipping the call (a dispatch per round) when it would be a no-op."""
+    return x if x.dtype == dtype and x.device == device else x.to(device=device, dtype=dtype)
+
+
+@functools.lru_cache(maxsize=64)
+def _arange(n: int, device: torch.device) -> torch.Tensor:
+    """``arange(n)`` built once per (n, device); read-only."""
+    return torch.arange(n, device=device)
+
 CorrectionFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
 
@@ -317,16 +364,19 @@ def _verify_impl(rule: str, P: torch.Tensor, Q: torch.Tensor, drafts: torch.Tens
     validate_params(rule, params)
     _validate_shapes(P, Q, drafts, u_accept, u_residual)
     device = P.device
-    P64, Q64 = normalise(P), normalise(Q.to(device))
-    drafts = drafts.to(device=device, dtype=torch.int64)
-    pass_probs = acceptance_probs(rule, P64, Q64, drafts, params)
-    passed = u_accept.to(device=device, dtype=_F64) < pass_probs
+    P64, Q64 = normalise(P), normalise(_as(Q, Q.dtype, device))
+    drafts = _as(drafts, torch.int64, device)
+    pass_probs, weights = _acceptance_probs(rule, P64, Q64, drafts, params)
+    passed = _as(u_accept, _F64, device) < pass_probs
     n_accepted = decide_accepted(rule, passed)
-    dist, fallback = correction_fn(rule, P64, Q64, drafts, n_accepted, params)
+    if correction_fn is correction_dist:  # block reuses its weights instead of recomputing them
+        dist, fallback = correction_dist(rule, P64, Q64, drafts, n_accepted, params, block_w=weights)
+    else:
+        dist, fallback = correction_fn(rule, P64, Q64, drafts, n_accepted, params)
     dist = dist / dist.sum(-1, keepdim=True)
-    next_token = sample_categorical(dist, u_residual.to(device=device, dtype=_F64))
+    next_token = sample_categorical(dist, _as(u_residual, _F64, device))
     gamma = drafts.shape[1]
-    accepted_mask = torch.arange(gamma, device=device).unsqueeze(0) < n_accepted.unsqueeze(1)
+    accepted_mask = _arange(gamma, device).unsqueeze(0) < n_accepted.unsqueeze(1)
     output = VerifyOutput(n_accepted=n_accepted, next_token=next_token, accepted_mask=accepted_mask)
     return output, VerifyDetails(pass_probs=pass_probs, next_token_probs=dist, residual_fallback=fallback)
 

@@ -71,6 +71,11 @@ def _check_neighbours(neighbours: torch.Tensor | None, k: int, vocab: int) -> to
     return neighbours
 
 
+def _on(x: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``x.to(device)`` without the dispatch when it is already there (called every round)."""
+    return x if x.device == device else x.to(device)
+
+
 def _budget(p_token: torch.Tensor, mode: str, lam: float | None, delta: float | None) -> torch.Tensor:
     if mode == "lambda":
         return (float(lam) - 1.0) * p_token
@@ -111,7 +116,7 @@ def relaxed_target_mass(
     vocab = P.shape[-1]
     nbrs = _check_neighbours(neighbours, k, vocab)
     p_token = torch.gather(P, -1, tokens.unsqueeze(-1)).squeeze(-1)
-    nb_ids = nbrs[:, :k].to(P.device)[tokens]  # [..., k]
+    nb_ids = _on(nbrs[:, :k], P.device)[tokens]  # [..., k]
     nb_values = torch.gather(P, -1, nb_ids)
     return _mass_from_neighbour_values(p_token, nb_values, mode, lam, delta, forbid_zero_target_mass)
 
@@ -131,11 +136,14 @@ def relaxed_target_mass_all_tokens(
     draft token. The ``[B, V, k]`` gather is done in vocabulary chunks to bound memory.
     """
     batch, vocab = P.shape
-    nbrs = _check_neighbours(neighbours, k, vocab)[:, :k].to(P.device)
+    nbrs = _on(_check_neighbours(neighbours, k, vocab)[:, :k], P.device)
     if k == 0:
         return P.clone()
-    out = torch.empty_like(P)
     chunk = max(1, _GATHER_BUDGET // max(1, batch * k))
+    if chunk >= vocab:  # one chunk (the usual case): no output buffer to copy into
+        nb_values = P[:, nbrs.reshape(-1)].reshape(batch, vocab, k)
+        return _mass_from_neighbour_values(P, nb_values, mode, lam, delta, forbid_zero_target_mass)[0]
+    out = torch.empty_like(P)
     for start in range(0, vocab, chunk):
         ids = nbrs[start : start + chunk]  # [c, k]
         nb_values = P[:, ids.reshape(-1)].reshape(batch, ids.shape[0], k)
