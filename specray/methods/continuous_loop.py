@@ -321,9 +321,15 @@ class _CspdTally:
 
     batch: int
     gamma: int
+    num_tokens: int = 0
+    device: torch.device | str = "cpu"
 
     def __post_init__(self) -> None:
         b = self.batch
+        # Drafts verified / accepted per generation step index, kept on the run's device and moved
+        # once in stats(): extra["acceptance_timeline"].
+        self.timeline_drafted = torch.zeros(b, self.num_tokens, dtype=torch.int64, device=self.device)
+        self.timeline_accepted = torch.zeros(b, self.num_tokens, dtype=torch.int64, device=self.device)
         z = lambda: torch.zeros(b, dtype=torch.int64)  # noqa: E731
         self.spec_steps, self.draft_tokens, self.accepted = z(), z(), z()
         self.target_calls, self.draft_calls = z(), z()
@@ -336,6 +342,7 @@ class _CspdTally:
 
     def stats(self, num_tokens: int) -> list[SampleStats]:
         out = []
+        drafted, accepted = self.timeline_drafted.tolist(), self.timeline_accepted.tolist()
         for i in range(self.batch):
             nv = max(int(self.verified[i]), 1)
             nr = int(self.resampled[i])
@@ -355,6 +362,7 @@ class _CspdTally:
                         "mean_log_ratio": float(self.sum_log_ratio[i]) / nv,
                         "mean_log_sigma_factor": float(self.sum_log_factor[i]) / nv,
                         "mean_final_step_term": float(self.sum_final[i]) / nv,
+                        "acceptance_timeline": {"accepted": accepted[i], "drafted": drafted[i]},
                     },
                 )
             )
@@ -410,7 +418,7 @@ def _run_cspd(s: _Setup, pair: ModelPair, labels: torch.Tensor, sample_ids: torc
     seq = torch.zeros(b, L, d, device=dev)
     q = {"mu1": torch.zeros(b, L, d, device=dev), "s1": torch.ones(b, L, d, device=dev),
          "slog": torch.zeros(b, L, dtype=torch.float64, device=dev)}
-    tally = _CspdTally(b, gamma)
+    tally = _CspdTally(b, gamma, num_tokens=L, device=dev)
     tau = p["temperature"]
 
     def target_step(k: int) -> None:
@@ -485,6 +493,8 @@ def _run_cspd(s: _Setup, pair: ModelPair, labels: torch.Tensor, sample_ids: torc
             tally.draft_tokens += m
             tally.accepted += acc.sum(1).cpu()
             tally.per_position[:, : min(m, gamma)] += acc[:, :gamma].cpu().to(torch.int64)
+            tally.timeline_drafted[:, verified : k + 1] += 1  # the window is generation steps verified .. k
+            tally.timeline_accepted[:, verified : k + 1] += acc.to(torch.int64)
             tally.target_calls += 1
             verified = k + 1
         return seq, tally.stats(L)
@@ -532,6 +542,10 @@ def _run_cspd(s: _Setup, pair: ModelPair, labels: torch.Tensor, sample_ids: torc
         tally.draft_tokens += m_valid.cpu()
         tally.accepted += a.cpu() * active.cpu()
         tally.per_position += (slot[:, :gamma] < a[:, None]).cpu().to(torch.int64) * active[:, None].cpu()
+        # window slot j is generation step n + j (clamped columns are masked: j >= m_valid there)
+        window_steps = (n[:, None] + slot[:, :gamma]).clamp(max=L - 1)
+        tally.timeline_drafted.scatter_add_(1, window_steps, (slot[:, :gamma] < m_valid[:, None]).to(torch.int64))
+        tally.timeline_accepted.scatter_add_(1, window_steps, (slot[:, :gamma] < (a * active)[:, None]).to(torch.int64))
         tally.target_calls += active.cpu().to(torch.int64)
         # caches: accepted drafts stay valid as content; everything after them is stale
         tgt.truncate(torch.minimum(tgt.cached_tokens(), n + a))

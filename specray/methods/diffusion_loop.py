@@ -85,11 +85,26 @@ class ChainStats:
     draft_calls: torch.Tensor
     states_evaluated: torch.Tensor
     expected_advance: torch.Tensor
+    # Steps drafted / accepted per denoising step index k [B, K_s], on the chain's device
+    # (moved to the host once by the caller): extra["acceptance_timeline"].
+    timeline_drafted: torch.Tensor | None = None
+    timeline_accepted: torch.Tensor | None = None
 
     @classmethod
-    def zeros(cls, batch: int, gamma: int) -> "ChainStats":
+    def zeros(cls, batch: int, gamma: int, num_steps: int = 0, device: torch.device | None = None) -> "ChainStats":
         z = lambda: torch.zeros(batch, dtype=torch.int64)  # noqa: E731
-        return cls(z(), z(), z(), torch.zeros(batch, gamma, dtype=torch.int64), z(), z(), z(), torch.zeros(batch, dtype=torch.float64))
+        timeline = lambda: torch.zeros(batch, num_steps, dtype=torch.int64, device=device)  # noqa: E731
+        return cls(z(), z(), z(), torch.zeros(batch, gamma, dtype=torch.int64), z(), z(), z(), torch.zeros(batch, dtype=torch.float64),
+                   timeline(), timeline())
+
+    def add_timeline(self, rows: torch.Tensor, first_step: torch.Tensor, drafted: torch.Tensor, accepted: torch.Tensor) -> None:
+        """Count one round of batch ``rows``: block slot j is step ``first_step + j``; ``drafted`` /
+        ``accepted`` are ``[n, G]`` masks (two index_adds, no host sync)."""
+        width = self.timeline_drafted.shape[1]
+        slot = torch.arange(drafted.shape[1], device=rows.device)[None, :]
+        flat = (rows[:, None] * width + (first_step[:, None] + slot).clamp(max=width - 1)).flatten()
+        self.timeline_drafted.view(-1).index_add_(0, flat, drafted.flatten().to(torch.int64))
+        self.timeline_accepted.view(-1).index_add_(0, flat, accepted.flatten().to(torch.int64))
 
 
 def _coef(table: torch.Tensor, k: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -156,7 +171,7 @@ def speculative_chain(
     k = torch.zeros(batch, dtype=torch.int64, device=device)
     stale = torch.zeros_like(x)
     has_stale = torch.zeros(batch, dtype=torch.bool, device=device)
-    stats = ChainStats.zeros(batch, gamma)
+    stats = ChainStats.zeros(batch, gamma, num_steps=K, device=device)
 
     while True:
         act = torch.nonzero(k < K).flatten()
@@ -241,6 +256,7 @@ def speculative_chain(
         stats.drafted[a] += g.cpu()
         stats.accepted[a] += tau.cpu()
         stats.per_position[a, :G] += (positions[None, :] < tau[:, None]).cpu().to(torch.int64)
+        stats.add_timeline(act, kk, valid, positions[None, :] < tau[:, None])  # tau <= g: accepted within valid
         stats.target_calls[a] += calls.cpu()
         stats.draft_calls[a] += draft_calls.cpu()
         stats.states_evaluated[a] += states.cpu()
@@ -332,6 +348,8 @@ def run_batch(method: str, params: dict[str, Any], pair, labels: torch.Tensor, s
     eps = pair.target(x, steps.timesteps.to(device)[last], labels.to(device), params["guidance_scale"])
     images = to_uint8_image(final_step(x, eps, steps.final_alpha_bar))
     stats = []
+    if cs is not None:  # one transfer each
+        timeline_drafted, timeline_accepted = cs.timeline_drafted.tolist(), cs.timeline_accepted.tolist()
     for b in range(batch):
         if cs is None:
             extra = {"states_evaluated": K, "block_efficiency": 1.0, "guidance_scale": params["guidance_scale"]}
@@ -344,6 +362,7 @@ def run_batch(method: str, params: dict[str, Any], pair, labels: torch.Tensor, s
             "expected_advance_per_round": float(cs.expected_advance[b]) / max(rounds, 1),
             "speculated_steps": K - 1,
             "guidance_scale": params["guidance_scale"],
+            "acceptance_timeline": {"accepted": timeline_accepted[b], "drafted": timeline_drafted[b]},
         }
         stats.append(SampleStats(
             num_tokens=K, num_spec_steps=rounds, num_draft_tokens=int(cs.drafted[b]),

@@ -287,15 +287,36 @@ class _RowCounters:
     accepted: torch.Tensor
     accepted_per_position: torch.Tensor
     extra: dict[str, Any] = field(default_factory=dict)
+    # Drafts made / accepted per image-token index [B, width >= N] (speculative methods only);
+    # stored as extra["acceptance_timeline"], the first N columns.
+    timeline_drafted: torch.Tensor | None = None
+    timeline_accepted: torch.Tensor | None = None
 
     @classmethod
-    def zeros(cls, batch: int, gamma: int, device: torch.device | None = None) -> "_RowCounters":
+    def zeros(cls, batch: int, gamma: int, device: torch.device | None = None,
+              timeline_width: int = 0) -> "_RowCounters":
         z = lambda: torch.zeros(batch, dtype=torch.int64, device=device)  # noqa: E731
-        return cls(z(), z(), z(), z(), z(), torch.zeros(batch, max(gamma, 0), dtype=torch.int64, device=device))
+        timeline = (lambda: torch.zeros(batch, timeline_width, dtype=torch.int64, device=device)) if timeline_width \
+            else (lambda: None)
+        return cls(z(), z(), z(), z(), z(), torch.zeros(batch, max(gamma, 0), dtype=torch.int64, device=device),
+                   timeline_drafted=timeline(), timeline_accepted=timeline())
+
+    def add_timeline(self, idx: torch.Tensor, positions: torch.Tensor, n_drafts: torch.Tensor,
+                     n_acc: torch.Tensor) -> None:
+        """Count one round of rows ``idx``: drafts at image-token ``positions [r, gamma]``, the
+        first ``n_drafts`` made and the first ``n_acc`` accepted (two index_adds, no host sync)."""
+        width = self.timeline_drafted.shape[1]
+        slot = torch.arange(positions.shape[1], device=positions.device)[None, :]
+        flat = (idx[:, None] * width + positions).flatten()
+        self.timeline_drafted.view(-1).index_add_(0, flat, (slot < n_drafts[:, None]).flatten().long())
+        self.timeline_accepted.view(-1).index_add_(0, flat, (slot < n_acc[:, None]).flatten().long())
 
     def to_stats(self, num_tokens: int) -> list[SampleStats]:
         host = {name: getattr(self, name).cpu() for name in
                 ("rounds", "target_calls", "draft_calls", "drafted", "accepted", "accepted_per_position")}
+        timelines = None
+        if self.timeline_drafted is not None:  # one transfer each; plain lists for the JSON column
+            timelines = (self.timeline_drafted[:, :num_tokens].tolist(), self.timeline_accepted[:, :num_tokens].tolist())
         self = _RowCounters(**host, extra=self.extra)  # one transfer per counter, not per sample
         return [
             SampleStats(
@@ -306,6 +327,8 @@ class _RowCounters:
                 accepted_per_position=[int(x) for x in self.accepted_per_position[b]],
                 target_calls=int(self.target_calls[b]),
                 draft_calls=int(self.draft_calls[b]),
+                extra={} if timelines is None else
+                {"acceptance_timeline": {"accepted": timelines[1][b], "drafted": timelines[0][b]}},
             )
             for b in range(self.rounds.shape[0])
         ]
@@ -353,7 +376,8 @@ def _speculative(method: str, params: dict[str, Any], pair: ModelPair, labels: t
     draft_stream = GuidedModel(draft, batch, sampling, max_len)
     tokens = torch.zeros(batch, num_tokens + gamma + 1, dtype=torch.int64, device=device)
     committed = torch.ones(batch, dtype=torch.int64, device=device)  # n_b after the prefill
-    counters = _RowCounters.zeros(batch, gamma, device)
+    # Timeline columns up to num_tokens + gamma: a round's padded tail positions need no clamp.
+    counters = _RowCounters.zeros(batch, gamma, device, timeline_width=num_tokens + gamma + 1)
     # Positions up to num_tokens + gamma: a round's padded tail positions (never read) need no clamp.
     uniforms = RoundUniforms(seed, sample_ids, num_tokens + gamma + 1)
 
@@ -472,6 +496,7 @@ def _speculative(method: str, params: dict[str, Any], pair: ModelPair, labels: t
         else:
             committed[idx] = new_n
 
+        counters.add_timeline(idx, round_positions[:, :gamma], n_drafts, n_acc)
         if full:  # summed once after the loop (integer sums: the same counts)
             full_rounds.append(torch.stack([n_drafts, n_acc]))
         else:
