@@ -75,9 +75,12 @@ def _speed(arm: dict[str, Any]) -> tuple[float | None, list[float] | None]:
 
 def pareto_plot(report: dict[str, Any], family: str) -> bytes | None:
     plt = _pyplot()
+    groups = [g for g in report.get("seed_spread") or [] if g.get("family") == family]
+    # target_only replicas at other seeds are not competing arms: they become the noise band.
+    replicas = {name for g in groups for name in g["arms"][1:]}
     rows = []
     for arm in report["arms"]:
-        if arm.get("family") != family:
+        if arm.get("family") != family or arm["arm"] in replicas:
             continue
         fid = arm.get("fid") or {}
         speed, speed_ci = _speed(arm)
@@ -101,6 +104,11 @@ def pareto_plot(report: dict[str, Any], family: str) -> bytes | None:
             yerr = [[max(0.0, fid - fid_ci[0])], [max(0.0, fid_ci[1] - fid)]]
         ax.errorbar([speed], [fid], xerr=xerr, yerr=yerr, fmt="o", markersize=7, color=colors(i % 10), capsize=3,
                     elinewidth=1.0, alpha=0.85, zorder=2, label=name + (" *" if i in front else ""))
+    for group in groups:
+        if _finite(group.get("mean")) and _finite(group.get("sd")):
+            low, high = group["mean"] - 2 * group["sd"], group["mean"] + 2 * group["sd"]
+            ax.axhspan(low, high, color="0.85", alpha=0.5, zorder=0,
+                       label=f"{group['arms'][0]} over {group['num_seeds']} seeds: mean ± 2 sd")
     ax.axvline(1.0, color="0.75", linewidth=0.8, zorder=0)
     ax.set_xlabel("throughput speedup over target_only (95% CI)")
     ax.set_ylabel(f"FID ({report['fid_setup']['feature_extractor']}, 95% CI)")
