@@ -21,6 +21,7 @@ from specray.models.continuous_ar import ContinuousAR, ContinuousARConfig, level
 from specray.models.continuous_schedule import DiffusionSchedule
 from specray.models.digits import load_digits_split
 from specray.models.presets import get_preset
+from specray.models.weights import save_fp16
 
 DEFAULT_TRAIN = {
     "steps": 3000,
@@ -94,8 +95,7 @@ def heldout_loss(model: ContinuousAR, schedule: DiffusionSchedule, seed: int, re
 
 def train_preset(name: str, out_dir: Path, seed: int = 0) -> Path:
     """Train preset ``name`` deterministically and write ``<out_dir>/<name>.safetensors`` (fp16)."""
-    from safetensors.torch import save_file
-
+    
     preset = get_preset(name)
     if preset.family != "continuous_ar":
         raise ValueError(f"preset {name!r} is family {preset.family!r}, not 'continuous_ar'")
@@ -141,10 +141,6 @@ def train_preset(name: str, out_dir: Path, seed: int = 0) -> Path:
         "parameters": str(parameter_count(model)),
         "train_seconds": f"{time.time() - start:.1f}",
     }
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / f"{name}.safetensors"
-    state = {k: v.detach().to(torch.float16).contiguous() for k, v in model.state_dict().items()}
-    save_file(state, str(path), metadata=metadata)
+    path = save_fp16(model, Path(out_dir) / f"{name}.safetensors", metadata)
     print(f"[{name}] wrote {path}: {metadata}", flush=True)
     return path

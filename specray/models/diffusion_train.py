@@ -16,10 +16,10 @@ from pathlib import Path
 import torch
 from diffusers.optimization import get_cosine_schedule_with_warmup
 from diffusers.training_utils import EMAModel
-from safetensors.torch import save_file
 
 from specray.models.diffusion import FAMILY, build_unet, make_scheduler
 from specray.models.digits import NUM_LEVELS, load_digits_split
+from specray.models.weights import save_fp16
 
 
 def digits_to_unit_range(levels: torch.Tensor) -> torch.Tensor:
@@ -100,11 +100,7 @@ def train_preset(name: str, out_dir: Path, seed: int = 0) -> Path:
         "train_time_s": f"{time.time() - start:.1f}",
         "num_parameters": str(sum(p.numel() for p in unet.parameters())),
     }
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / f"{name}.safetensors"
-    state = {k: v.detach().to(torch.float16).contiguous() for k, v in unet.state_dict().items()}
-    save_file(state, str(path), metadata=metadata)
+    path = save_fp16(unet, Path(out_dir) / f"{name}.safetensors", metadata)
     print(f"[{name}] wrote {path}: {json.dumps({k: metadata[k] for k in ('train_loss_last100', 'heldout_loss', 'train_time_s')})}", flush=True)
     return path
 

@@ -119,13 +119,9 @@ def train_model(
 
 def save_model(model: DiscreteGPT, path: Path, metadata: dict[str, str]) -> Path:
     """fp16 safetensors (the presets stay small) with the config and training record as metadata."""
-    from safetensors.torch import save_file
+    from specray.models.weights import save_fp16
 
-    path.parent.mkdir(parents=True, exist_ok=True)
-    state = {k: v.detach().to(torch.float16).contiguous() for k, v in model.state_dict().items()}
-    meta = {"config": json.dumps(asdict(model.config)), **metadata}
-    save_file(state, str(path), metadata=meta)
-    return path
+    return save_fp16(model, path, {"config": json.dumps(asdict(model.config)), **metadata})
 
 
 def train_preset(name: str, out_dir: Path, seed: int = 0) -> Path:
