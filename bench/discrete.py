@@ -9,13 +9,14 @@ and 2.0, uniform_rsd; gamma 4, default sampling with CFG 1.5) it reports:
   interleaved (the order rotates every repetition), after a warm-up; the median over repetitions
   of the paired ratio target_only time / arm time;
 - ``pred``: the speedup predicted from the measured call counts and the per-call costs measured
-  in the same run, at the same batch size: ``c_t1`` (target call, 1 token per row), ``c_tv``
-  (target verify call, gamma+1 tokens per row) and ``c_d`` (draft call, 1 token per row), each a
-  :meth:`GuidedModel.probs` call (forward on both CFG halves + logits processing). Predicted time =
-  n_t1·c_t1 + n_tv·c_tv + n_d·c_d, the n's being batch-level forward calls counted by wrapping
-  ``forward_step`` in an untimed pass (with ragged rows: loop iterations, i.e. the slowest row's).
-  target_only makes 64 one-token calls (the first is the class prefill); a speculative method one
-  prefill call, one verify call per round and its draft calls (the first of a round feeds 2 tokens);
+  in the same run, at the same batch size, each call priced by what it really is. The calls, each a
+  :meth:`GuidedModel.probs` call (forward on both CFG halves + logits processing), are counted by
+  wrapping that method in an untimed pass, by shape: model, tokens per row (target_only and the
+  prefill: 1; a round's first draft call: 2, catching up the previous round's commit; later draft
+  calls: 1; verify: gamma+1, padded in a row's short last round, so it costs the same) and rows fed
+  (the whole batch, or fewer in the tail rounds once some rows are done, read by index). Every shape
+  used is timed in the same run (calls on fewer rows at a grid of row counts, linear in between), and
+  predicted time = sum over calls of the cost of the call's shape;
 - ``eff`` = speedup / pred (1.0: no more loop overhead than target_only's own loop);
 - ``ovh`` = time / predicted time of the arm's own calls (its loop overhead factor).
 
@@ -44,7 +45,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from specray.methods.discrete_loop import GuidedModel, _sampling, resolve_params, run_batch  # noqa: E402
-from specray.models.discrete_ar import DiscreteGPT, load_pair  # noqa: E402
+from specray.models.discrete_ar import load_pair  # noqa: E402
 from specray.models.pair import ModelPair  # noqa: E402
 
 # (row name, method, params); cool_sd at the spec's default delta and at a looser one.
@@ -59,13 +60,31 @@ ARMS: list[tuple[str, str, dict[str, Any]]] = [
 ]
 
 
+def shape_key(role: str, tokens: int, rows: int) -> str:
+    """Key of one kind of :meth:`GuidedModel.probs` call: model, tokens per row, rows (samples) fed."""
+    return f"{role}:{tokens}:{rows}"
+
+
+def parse_shape(key: str) -> tuple[str, int, int]:
+    role, tokens, rows = key.split(":")
+    return role, int(tokens), int(rows)
+
+
 @dataclass
 class CallCounts:
-    """Batch-level forward calls of one arm over the bench's samples."""
+    """Batch-level :meth:`GuidedModel.probs` calls of one arm over the bench's samples, by shape."""
 
-    target_1: int = 0  # target calls with one token per row (prefill, target_only steps)
-    target_verify: int = 0  # target calls with several tokens per row (verify)
-    draft: int = 0  # draft calls (1 token per row, 2 on a round's first draft step)
+    shapes: dict[str, int]  # shape_key(role, tokens per row, rows) -> calls
+    batch: int
+
+    def total(self, role: str, tokens: int | None = None, partial: bool | None = None) -> int:
+        """Calls of ``role`` (with ``tokens`` per row; only those with fewer rows than the batch if ``partial``)."""
+        out = 0
+        for key, n in self.shapes.items():
+            r, t, rows = parse_shape(key)
+            if r == role and tokens in (None, t) and partial in (None, rows < self.batch):
+                out += n
+        return out
 
 
 @dataclass
@@ -133,74 +152,106 @@ def run_arm(method: str, params: dict[str, Any], pair: ModelPair, work: list, se
 
 
 def count_calls(method: str, params: dict[str, Any], pair: ModelPair, work: list, seed: int) -> tuple[CallCounts, list]:
-    """Untimed pass with ``forward_step`` wrapped on both model instances."""
+    """Untimed pass with :meth:`GuidedModel.probs` wrapped: every call counted by its real shape.
+
+    The shape is what the cost of a call depends on: the model, the tokens per row (the first
+    draft call of a round feeds 2, verify feeds gamma + 1, padded in a row's short last round) and
+    the rows fed (fewer than the batch in the tail rounds, once rows are done).
+    """
     counts: Counter[str] = Counter()
+    original = GuidedModel.probs
 
-    def wrap(model: DiscreteGPT, role: str) -> None:
-        original = model.forward_step
+    def counted(self: GuidedModel, idx: torch.Tensor, tokens: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        counts[shape_key("target" if self.model is pair.target else "draft", tokens.shape[1], idx.shape[0])] += 1
+        return original(self, idx, tokens, *args, **kwargs)
 
-        def counted(tokens, positions, cache, *args, **kwargs):  # type: ignore[no-untyped-def]
-            counts[role if role == "draft" else ("target_1" if tokens.shape[1] == 1 else "target_verify")] += 1
-            return original(tokens, positions, cache, *args, **kwargs)
-
-        model.forward_step = counted  # type: ignore[method-assign]
-
-    models = [(pair.target, "target")] + ([(pair.draft, "draft")] if pair.draft is not None else [])
-    for model, role in models:
-        wrap(model, role)
+    GuidedModel.probs = counted  # type: ignore[method-assign]
     try:
         _, stats = run_arm(method, params, pair, work, seed)
     finally:
-        for model, _ in models:
-            del model.forward_step  # back to the class method
-    return CallCounts(counts["target_1"], counts["target_verify"], counts["draft"]), stats
+        GuidedModel.probs = original  # type: ignore[method-assign]
+    return CallCounts(dict(sorted(counts.items())), batch=work[0][0].shape[0]), stats
 
 
-def call_costs(pair: ModelPair, batch: int, gamma: int, calls: int) -> dict[str, dict[str, float]]:
-    """Per-call seconds ``{clock: {c_t1, c_tv, c_d}}`` at ``batch`` samples (CFG on, default sampling).
+def partial_rows_grid(batch: int) -> list[int]:
+    """Row counts at which calls with fewer rows than the batch are timed (others interpolated)."""
+    grid = {1 << k for k in range(batch.bit_length()) if 1 << k < batch}
+    return sorted(grid | ({batch - 1} if batch > 1 else set()))
 
-    Each is the median of 5 timings of ``calls`` back-to-back :meth:`GuidedModel.probs` calls made
-    the way the loops make them for a full batch past the prefix.
+
+def shapes_to_time(counts: list[CallCounts], batch: int) -> list[str]:
+    """The call shapes whose cost is measured: every (model, tokens per row) kind the arms use, at
+    the full batch if they make it there, and on the partial-rows grid if they make partial calls."""
+    kinds: dict[tuple[str, int], set[bool]] = {}
+    for c in counts:
+        for key in c.shapes:
+            role, tokens, rows = parse_shape(key)
+            kinds.setdefault((role, tokens), set()).add(rows < batch)
+    out = []
+    for (role, tokens), partial in sorted(kinds.items()):
+        if False in partial:
+            out.append(shape_key(role, tokens, batch))
+        if True in partial:
+            out += [shape_key(role, tokens, rows) for rows in partial_rows_grid(batch)]
+    return out
+
+
+def call_costs(pair: ModelPair, batch: int, gamma: int, shapes: list[str], calls: int) -> dict[str, dict[str, float]]:
+    """Per-call seconds ``{clock: {shape key: s}}`` of :meth:`GuidedModel.probs` (CFG on, default sampling).
+
+    Each is the median of 5 timings of ``calls`` back-to-back calls made the way the loops make
+    them past the prefix: a stream for ``batch`` samples, fed ``tokens`` per row on ``rows`` of
+    them (the full batch without a gather, fewer rows by index, as in the tail rounds). The cache
+    length is the loop's (attention spans it): target_only's for 1-token target calls (all but one
+    prefill call per speculative batch), the speculative loop's (room for a padded verify) otherwise.
     """
-    sampling = _sampling(resolve_params("sd", {"gamma": gamma}))
+    sampling = _sampling(resolve_params("sd", {}))
     device = pair.device
-    max_len = pair.target.max_seq_len + gamma + 1
-    idx = torch.arange(batch, device=device)
     mid = pair.target.config.num_image_tokens // 2
     gen = torch.Generator().manual_seed(0)
-
-    def tokens(n: int) -> torch.Tensor:
-        return torch.randint(0, pair.target.config.vocab_size, (batch, n), generator=gen).to(device)
-
-    def positions(n: int) -> torch.Tensor:
-        return (mid + torch.arange(n, device=device)).expand(batch, n).contiguous()
-
-    specs = {
-        "c_t1": (GuidedModel(pair.target, batch, sampling, pair.target.max_seq_len), tokens(1), positions(1)),
-        "c_tv": (GuidedModel(pair.target, batch, sampling, max_len), tokens(gamma + 1), positions(gamma + 1)),
-        "c_d": (GuidedModel(pair.draft, batch, sampling, max_len), tokens(1), positions(1)),
-    }
     out: dict[str, dict[str, float]] = {clock: {} for clock in CLOCK_NAMES}
     with torch.inference_mode():
-        for name, (stream, tok, pos) in specs.items():
+        for key in shapes:
+            role, n, rows = parse_shape(key)
+            model = pair.target if role == "target" else pair.draft
+            max_len = pair.target.max_seq_len + (0 if (role, n) == ("target", 1) else gamma + 1)
+            stream = GuidedModel(model, batch, sampling, max_len)
+            idx = torch.arange(rows, device=device)
+            tok = torch.randint(0, model.config.vocab_size, (rows, n), generator=gen).to(device)
+            pos = (mid + torch.arange(n, device=device)).expand(rows, n).contiguous()
+            full = rows == batch
             for _ in range(3):  # warm-up
-                stream.probs(idx, tok, pos, all_rows=True, prefix=False)
+                stream.probs(idx, tok, pos, all_rows=full, prefix=False)
             times: dict[str, list[float]] = {clock: [] for clock in CLOCK_NAMES}
             for _ in range(5):
                 _sync(device)
                 start = stamp()
                 for _ in range(calls):
-                    stream.probs(idx, tok, pos, all_rows=True, prefix=False)
+                    stream.probs(idx, tok, pos, all_rows=full, prefix=False)
                 _sync(device)
                 for clock, t in since(start).items():
                     times[clock].append(t / calls)
             for clock in CLOCK_NAMES:
-                out[clock][name] = statistics.median(times[clock])
+                out[clock][key] = statistics.median(times[clock])
     return out
 
 
+def shape_cost(key: str, costs: dict[str, float], batch: int) -> float:
+    """Cost of one call of shape ``key``: measured, or (partial rows off the grid) linear in rows
+    between the two nearest timed row counts of the same kind."""
+    if key in costs:
+        return costs[key]
+    role, tokens, rows = parse_shape(key)
+    grid = partial_rows_grid(batch)
+    hi = next(g for g in grid if g > rows)
+    lo = max(g for g in grid if g < rows)
+    c_lo, c_hi = costs[shape_key(role, tokens, lo)], costs[shape_key(role, tokens, hi)]
+    return c_lo + (c_hi - c_lo) * (rows - lo) / (hi - lo)
+
+
 def predicted_time(counts: CallCounts, costs: dict[str, float]) -> float:
-    return counts.target_1 * costs["c_t1"] + counts.target_verify * costs["c_tv"] + counts.draft * costs["c_d"]
+    """Sum over the arm's calls of each call's cost at its own shape."""
+    return sum(n * shape_cost(key, costs, counts.batch) for key, n in counts.shapes.items())
 
 
 def bench_batch(pair: ModelPair, batch: int, samples: int, reps: int, gamma: int, seed: int,
@@ -214,9 +265,10 @@ def bench_batch(pair: ModelPair, batch: int, samples: int, reps: int, gamma: int
     counted = {name: count_calls(method, params, pair, work, seed) for name, method, params in arms}
 
     times: dict[str, list[dict[str, float]]] = {name: [] for name, _, _ in arms}
+    shapes = shapes_to_time([c for c, _ in counted.values()], batch)
     cost_reps: list[dict[str, dict[str, float]]] = []
     for rep in range(reps):
-        cost_reps.append(call_costs(pair, batch, gamma, cost_calls))
+        cost_reps.append(call_costs(pair, batch, gamma, shapes, cost_calls))
         order = arms[rep % len(arms):] + arms[: rep % len(arms)]  # rotate so drift hits every arm alike
         for name, method, params in order:
             elapsed, _ = run_arm(method, params, pair, work, seed)
@@ -250,22 +302,36 @@ def bench_batch(pair: ModelPair, batch: int, samples: int, reps: int, gamma: int
 
 
 def print_table(batch: int, samples: int, reps: int, costs: dict[str, dict[str, float]],
-                results: list[ArmResult], clock: str) -> None:
+                results: list[ArmResult], clock: str, gamma: int) -> None:
     other = next(c for c in CLOCK_NAMES if c != clock)
     c = costs[clock]
-    print(f"\n## batch {batch}: {samples} samples, {reps} reps, {clock} clock; per call c_t1 {c['c_t1'] * 1e3:.3f} ms, "
-          f"c_tv {c['c_tv'] * 1e3:.3f} ms, c_d {c['c_d'] * 1e3:.3f} ms")
-    header = (f"{'method':<15} {'len':>5} {'alpha':>6} {'tgt':>5} {'draft':>6} {'ms/sample':>10} "
+
+    def ms(role: str, tokens: int, rows: int = batch) -> str:
+        key = shape_key(role, tokens, rows)
+        return f"{c[key] * 1e3:.3f} ms" if key in c else "-"
+
+    print(f"\n## batch {batch}: {samples} samples, {reps} reps, {clock} clock; per call at the full batch: "
+          f"target 1 token {ms('target', 1)}, verify {gamma + 1} tokens {ms('target', gamma + 1)}, "
+          f"draft 1 token {ms('draft', 1)}, draft 2 tokens {ms('draft', 2)}")
+    if batch > 1:
+        grid = partial_rows_grid(batch)
+        print(f"   calls on fewer rows (tail rounds) timed at rows {grid}, linear in between; e.g. at 1 row: "
+              f"verify {ms('target', gamma + 1, 1)}, draft {ms('draft', 1, 1)}, draft 2 tokens {ms('draft', 2, 1)}")
+    header = (f"{'method':<15} {'len':>5} {'alpha':>6} {'tgt':>5} {'draft':>6} {'d2':>5} {'part':>5} {'ms/sample':>10} "
               f"{'speedup':>8} {'pred':>6} {'eff':>5} {'ovh':>5} | {'speedup':>8} {'eff':>5} ({other})")
     print(header)
     print("-" * len(header))
     per_batch = samples / batch
     for r in results:
         alpha = "-" if r.draft_acceptance_rate is None else f"{r.draft_acceptance_rate:.3f}"
-        tgt = (r.calls.target_1 + r.calls.target_verify) / per_batch
+        tgt = r.calls.total("target") / per_batch
+        draft = r.calls.total("draft") / per_batch
+        two = r.calls.total("draft", tokens=2) / per_batch
+        calls = r.calls.total("target") + r.calls.total("draft")
+        partial = (r.calls.total("target", partial=True) + r.calls.total("draft", partial=True)) / calls
         m, o = r.clocks[clock], r.clocks[other]
-        print(f"{r.name:<15} {r.mean_acceptance_length:>5.2f} {alpha:>6} {tgt:>5.1f} {r.calls.draft / per_batch:>6.1f} "
-              f"{m.s_per_sample * 1e3:>10.2f} {m.speedup:>8.2f} {m.predicted_speedup:>6.2f} "
+        print(f"{r.name:<15} {r.mean_acceptance_length:>5.2f} {alpha:>6} {tgt:>5.1f} {draft:>6.1f} {two:>5.1f} "
+              f"{partial:>5.2f} {m.s_per_sample * 1e3:>10.2f} {m.speedup:>8.2f} {m.predicted_speedup:>6.2f} "
               f"{m.efficiency:>5.2f} {m.overhead:>5.2f} | {o.speedup:>8.2f} {o.efficiency:>5.2f}", flush=True)
 
 
@@ -306,13 +372,14 @@ def main(argv: list[str] | None = None) -> None:
         samples = samples_b1 if batch == 1 else batch * batches_large
         cost_calls = 20 if batch == 1 else 10
         results, costs = bench_batch(pair, batch, samples, reps, args.gamma, args.seed, cost_calls)
-        print_table(batch, samples, reps, costs, results, clock)
+        print_table(batch, samples, reps, costs, results, clock, args.gamma)
         report["batches"].append({"batch": batch, "samples": samples, "reps": reps, "call_costs_s": costs,
                                   "arms": [asdict(r) for r in results]})
     report["bench_wall_s"] = time.perf_counter() - started
     print(f"\n# len: mean acceptance length (tokens per target call); alpha: draft acceptance rate; tgt, draft: "
-          f"batch-level forward calls per batch; speedup: vs target_only, median of paired reps; pred: predicted "
-          f"from the calls and per-call costs; eff = speedup / pred; ovh = time / predicted time. "
+          f"batch-level calls per batch; d2: 2-token draft calls per batch; part: share of calls on fewer rows "
+          f"than the batch; speedup: vs target_only, median of paired reps; pred: predicted "
+          f"from the calls, each priced at its own shape; eff = speedup / pred; ovh = time / predicted time. "
           f"Bench took {report['bench_wall_s']:.0f} s.")
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
