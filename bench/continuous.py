@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from specray.methods.continuous_loop import run_batch
+from specray.methods.continuous.loop import run_batch
 from specray.models.continuous_ar import load_pair
 
 

@@ -29,7 +29,7 @@ import time
 
 import torch
 
-from specray.methods import diffusion_loop
+from specray.methods.diffusion import loop as diffusion_loop
 from specray.models.diffusion import load_pair
 
 ARMS = [(method, drafter) for method in ("spec_token", "spec_block") for drafter in ("frozen", "free", "model")]

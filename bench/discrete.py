@@ -44,7 +44,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from specray.methods.discrete_loop import GuidedModel, _sampling, resolve_params, run_batch  # noqa: E402
+from specray.methods.discrete.loop import GuidedModel, run_batch  # noqa: E402
+from specray.methods.discrete.params import SD  # noqa: E402
 from specray.models.discrete_ar import load_pair  # noqa: E402
 from specray.models.pair import ModelPair  # noqa: E402
 
@@ -205,7 +206,7 @@ def call_costs(pair: ModelPair, batch: int, gamma: int, shapes: list[str], calls
     length is the loop's (attention spans it): target_only's for 1-token target calls (all but one
     prefill call per speculative batch), the speculative loop's (room for a padded verify) otherwise.
     """
-    sampling = _sampling(resolve_params("sd", {}))
+    sampling = SD()
     device = pair.device
     mid = pair.target.config.num_image_tokens // 2
     gen = torch.Generator().manual_seed(0)

@@ -48,19 +48,18 @@ def job_dict(method: str, samples: int, batch_size: int, shard_batches: int, act
 
 def in_process(spec) -> float:
     """Wall seconds of load_pair + run_batch over every batch of ``spec``, in this process."""
-    from specray.methods.registry import family_loop
-    from specray.models.registry import load_pair
+    from specray.families import family
     from specray.runtime.plan import ShardPlan
 
     torch.set_num_threads(1)
     arm = spec.arms[0]
     began = time.perf_counter()
-    pair = load_pair(FAMILY, TARGET, DRAFT, torch.device("cpu"))
-    loop = family_loop(FAMILY)
+    pair = family(FAMILY).load_pair()(TARGET, DRAFT, torch.device("cpu"))
+    run_batch = family(FAMILY).loop()
     for shard in ShardPlan.of(spec).shards():
         for start, stop in shard.batch_ranges():
             sample_ids, labels = ShardPlan.of(spec).batch(start, stop)
-            loop.run_batch(arm.method, arm.params, pair, labels, sample_ids, spec.seed)
+            run_batch(arm.method, arm.params, pair, labels, sample_ids, spec.seed)
     return time.perf_counter() - began
 
 

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from pathlib import Path
 
 import click
 
+from specray.families import FAMILIES
 from specray.spec import SpecError
 
 EXIT_BAD_INPUT = 2
@@ -26,12 +28,18 @@ def specray(verbose: bool) -> None:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
 
 
-def _load(job_file: str | None, **overrides):
-    from specray.spec import builtin_demo_job, load_job
+def _load(job_file: str | None, *, date: str | None = None, run_id: str | None = None, **overrides):
+    """The validated spec of JOB_FILE (the built-in demo when None) with the command line's overrides."""
+    from specray.spec import DEMO_PATH, SpecError, load_job, read_job_file
 
-    if job_file is None:
-        return builtin_demo_job(**overrides)
-    return load_job(job_file, **overrides)
+    data = read_job_file(Path(job_file) if job_file is not None else DEMO_PATH)
+    if date is not None or run_id is not None:
+        if not isinstance(data.get("dataset"), dict):
+            raise SpecError("dataset", "--date / --run-id need a job with a dataset: section")
+        key, value = ("date", date) if date is not None else ("run_id", run_id)
+        kept = {k: v for k, v in data["dataset"].items() if k not in ("value", "date", "run_id")}
+        data["dataset"] = {**kept, key: value}
+    return load_job(data, **overrides)
 
 
 @specray.command()
@@ -42,21 +50,33 @@ def _load(job_file: str | None, **overrides):
                                         "cluster offers).")
 @click.option("--per-class", type=int, help="Samples per class (overrides conditions.per_class).")
 @click.option("--batch-size", type=int, help="Batch size (overrides the spec).")
+@click.option("--seed", type=int, help="Job seed (overrides the spec; e.g. a new seed per nightly run).")
+@click.option("--date", help="Dataset jobs: the partition date YYYY-MM-DD (default: today, UTC).")
+@click.option("--run-id", help="Dataset jobs partitioned by run: the run id.")
 @click.option("--ray-address", help="Ray cluster to join ('auto' = the one running here; default: RAY_ADDRESS "
                                     "if set, as under `ray job submit`, else start a local Ray).")
 @click.option("--no-reduce", is_flag=True, help="Only generate; do not compute FID / speedup.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 def run(job_file: str | None, output: str | None, num_cpus: int | None, actors: int | None,
-        per_class: int | None, batch_size: int | None, ray_address: str | None, no_reduce: bool, quiet: bool) -> None:
-    """Run JOB_FILE (YAML), or the built-in demo job when none is given; then reduce it."""
+        per_class: int | None, batch_size: int | None, seed: int | None, date: str | None, run_id: str | None,
+        ray_address: str | None, no_reduce: bool, quiet: bool) -> None:
+    """Run JOB_FILE (YAML), or the built-in demo job when none is given; then reduce it.
+
+    This is also what `ray job submit ... -- python jobs/submit.py JOB_FILE` runs on a cluster.
+    """
     from specray.runtime.coordinator import ShardFailedError, run_job
 
-    try:
-        spec = _load(job_file, output=output, actors=actors, per_class=per_class, batch_size=batch_size)
-    except SpecError as exc:
-        _fail(str(exc))
     if num_cpus is not None and num_cpus < 1:
         _fail(f"--num-cpus: must be an integer >= 1, got {num_cpus}")
+    try:
+        spec = _load(job_file, date=date, run_id=run_id, output=output, actors=actors, per_class=per_class,
+                     batch_size=batch_size, seed=seed)
+    except SpecError as exc:
+        _fail(str(exc))
+    if "://" not in spec.output and not os.path.isabs(spec.output) and os.environ.get("RAY_JOB_SUBMISSION_ID"):
+        logging.getLogger("specray").warning(
+            "output %r is relative: it lands in this job's working directory on the head node; pass --output "
+            "with an absolute path or an s3:// URI to keep it", spec.output)
     if spec.dataset is not None:  # a dataset job publishes a partition and a card; there is no report
         _run_dataset(spec, ray_address, num_cpus, quiet)
         return
@@ -69,8 +89,12 @@ def run(job_file: str | None, output: str | None, num_cpus: int | None, actors: 
     click.echo(f"wrote {result.manifest['num_rows']} rows to {result.output} "
                f"({result.tasks_run} shard tasks run, {result.tasks_skipped} already committed, "
                f"{result.retries} retries, {result.wall_time_s:.1f} s)")
-    if not no_reduce:
-        _reduce(result.output)
+    if no_reduce:
+        return
+    if not spec.eval.fid:
+        click.echo(f"eval.fid is false: not scoring; `specray reduce {result.output}` scores the run later")
+        return
+    _reduce(result.output, spec.storage_options or None)
 
 
 def _run_dataset(spec, ray_address: str | None, num_cpus: int | None, quiet: bool) -> None:
@@ -103,40 +127,60 @@ def validate(job_file: str) -> None:
                f"of {plan.shard_size}, fingerprint {spec.fingerprint()}")
 
 
+def _preset_names() -> list[str]:
+    from specray.models.presets.train import all_preset_names
+
+    return all_preset_names()
+
+
 @specray.command()
-@click.argument("preset", default="all")
+@click.argument("preset", default="all", type=click.Choice(["all", *_preset_names()]))
 @click.option("--out-dir", type=click.Path(file_okay=False), help="Where to write weights (default: the "
                                                                   "package's presets/weights).")
 @click.option("--seed", type=int, default=0, show_default=True)
 def train(preset: str, out_dir: str | None, seed: int) -> None:
-    """Reproduce PRESET's weights (or every preset with 'all')."""
+    """Reproduce PRESET's weights (or every preset with 'all') with its family's trainer."""
     from specray.models.presets import WEIGHTS_DIR
     from specray.models.presets import train as presets_train
 
     names = presets_train.all_preset_names() if preset == "all" else [preset]
     target_dir = Path(out_dir) if out_dir else WEIGHTS_DIR
     for name in names:
-        try:
-            path = presets_train.train(name, target_dir, seed)
-        except KeyError as exc:
-            _fail(f"preset: {exc.args[0]}")
+        path = presets_train.train(name, target_dir, seed)
         click.echo(f"trained {name} -> {path}")
 
 
-def _require_manifest(run_dir: str) -> None:
+@specray.command()
+@click.argument("family_name", required=False, metavar="FAMILY", type=click.Choice(list(FAMILIES)))
+def methods(family_name: str | None) -> None:
+    """List the families and methods a job can name, with every parameter's default and allowed values."""
+    from specray.methods.params import allowed_values
+
+    for entry in [FAMILIES[family_name]] if family_name else FAMILIES.values():
+        click.echo(f"{entry.name}: {entry.summary}")
+        for method in entry.methods.values():
+            defaults = method.params.parse({})
+            flags = ", ".join(f for f, on in (("lossless", defaults.lossless), ("needs a draft", defaults.needs_draft))
+                              if on)
+            click.echo(f"  {method.name}: {method.summary}" + (f" [{flags} by default]" if flags else ""))
+            for name, value in defaults.to_dict().items():
+                click.echo(f"      {name} = {value!r}  ({allowed_values(method.params, name)})")
+
+
+def _require_manifest(run_dir: str, storage_options: dict | None = None) -> None:
     from specray.runtime.store import MANIFEST_NAME, RunStore
 
-    if not RunStore(run_dir).is_committed(MANIFEST_NAME):
+    if not RunStore(run_dir, storage_options).is_committed(MANIFEST_NAME):
         _fail(f"RUN: {run_dir!r} has no {MANIFEST_NAME}: not a finished specray run (rerun its job to finish it)")
 
 
-def _reduce(run_dir: str) -> dict:
+def _reduce(run_dir: str, storage_options: dict | None = None) -> dict:
     from specray.eval.checks import RunCheckError
     from specray.eval.reduce import reduce_run
 
-    _require_manifest(run_dir)
+    _require_manifest(run_dir, storage_options)
     try:
-        return reduce_run(run_dir, print_table=True)
+        return reduce_run(run_dir, print_table=True, storage_options=storage_options)
     except RunCheckError as exc:
         _fail(f"RUN: {run_dir!r} refused before scoring: {exc}")
 
@@ -165,12 +209,23 @@ def report(run_dir: str) -> None:
 @specray.command()
 @click.argument("run_a")
 @click.argument("run_b")
-def compare(run_a: str, run_b: str) -> None:
-    """Show the differences between two reduced runs (e.g. last night's against tonight's)."""
-    from specray.eval.compare import compare_markdown, compare_runs
+@click.option("--samples", is_flag=True, help="Compare the runs sample by sample (image bytes and acceptance "
+                                              "statistics per arm and sample_id) instead of their reports.")
+def compare(run_a: str, run_b: str, samples: bool) -> None:
+    """Show the differences between two runs (e.g. last night's against tonight's).
+
+    Exits 1 with --samples when the runs are not identical.
+    """
+    from specray.eval.compare import compare_markdown, compare_runs, compare_samples, compare_samples_text
 
     for run_dir in (run_a, run_b):
         _require_manifest(run_dir)
+    if samples:
+        comparison = compare_samples(run_a, run_b)
+        click.echo(compare_samples_text(comparison), nl=False)
+        if not comparison["identical"]:
+            sys.exit(1)
+        return
     try:
         comparison = compare_runs(run_a, run_b)
     except FileNotFoundError as exc:
@@ -178,8 +233,8 @@ def compare(run_a: str, run_b: str) -> None:
     click.echo(compare_markdown(comparison))
 
 
-def main() -> None:
-    specray(prog_name="specray")
+def main(argv: list[str] | None = None) -> None:
+    specray.main(args=argv, prog_name="specray")
 
 
 if __name__ == "__main__":

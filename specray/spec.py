@@ -40,7 +40,7 @@ from typing import Any, Mapping
 SPEC_FORMAT_VERSION = 1
 CONDITION_KINDS = ("class_labels",)
 DATASET_PARTITIONS = ("date", "run")
-_ARM_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$")
+_ARM_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]*")  # used with fullmatch: no trailing newline
 
 
 class SpecError(ValueError):
@@ -203,7 +203,7 @@ def load_job(source: str | os.PathLike | Mapping[str, Any], **overrides: Any) ->
     if isinstance(source, Mapping):
         data = dict(source)
     else:
-        data = _read_yaml(Path(source))
+        data = read_job_file(Path(source))
     per_class = overrides.pop("per_class", None)
     for key, value in overrides.items():
         if value is not None:
@@ -215,7 +215,8 @@ def load_job(source: str | os.PathLike | Mapping[str, Any], **overrides: Any) ->
     return parse_job(data)
 
 
-def _read_yaml(path: Path) -> dict[str, Any]:
+def read_job_file(path: Path) -> dict[str, Any]:
+    """The mapping a YAML job file holds (SpecError naming the file and the line when it is not one)."""
     import yaml
 
     if not path.is_file():
@@ -245,7 +246,7 @@ def parse_job(data: Mapping[str, Any]) -> JobSpec:
         if required not in data:
             raise SpecError(required, "is required")
     job_id = _string("job_id", data.get("job_id", "specray-job"))
-    if not _ARM_NAME.match(job_id):
+    if not _ARM_NAME.fullmatch(job_id):
         raise SpecError("job_id", f"must be letters, digits, '_', '-', '.', got {job_id!r}")
     seed = _integer("seed", data.get("seed", 0), minimum=0)
     output = _validate_output("output", data["output"])
@@ -291,7 +292,8 @@ _ARM_FIELDS = {"name", "family", "method", "target", "draft", "params", "seed_of
 
 
 def _arms(path: str, raw: Any) -> tuple[ArmSpec, ...]:
-    from specray.methods.registry import FAMILY_LOOPS, family_loop
+    from specray.families import FAMILIES
+    from specray.methods.params import ParamError
 
     if not isinstance(raw, list) or not raw:
         raise SpecError(path, "must be a non-empty list of arms")
@@ -305,56 +307,35 @@ def _arms(path: str, raw: Any) -> tuple[ArmSpec, ...]:
         for required in ("family", "method", "target"):
             if required not in item:
                 raise SpecError(f"{at}.{required}", "is required")
-        family = _string(f"{at}.family", item["family"])
-        if family not in FAMILY_LOOPS:
-            raise SpecError(f"{at}.family", f"unknown family {family!r}; allowed: {', '.join(sorted(FAMILY_LOOPS))}")
-        try:
-            loop = family_loop(family)
-        except ImportError as exc:
-            raise SpecError(f"{at}.family", f"family {family!r} is not available in this install ({exc})") from None
+        family_name = _string(f"{at}.family", item["family"])
+        if family_name not in FAMILIES:
+            raise SpecError(f"{at}.family", f"unknown family {family_name!r}; allowed: {', '.join(sorted(FAMILIES))}")
+        family = FAMILIES[family_name]
         method = _string(f"{at}.method", item["method"])
-        if method not in loop.METHODS:
-            raise SpecError(f"{at}.method", f"unknown method {method!r} for family {family!r}; "
-                                            f"allowed: {', '.join(loop.METHODS)}")
+        if method not in family.methods:
+            raise SpecError(f"{at}.method", f"unknown method {method!r} for family {family_name!r}; "
+                                            f"allowed: {', '.join(family.methods)}")
         name = _string(f"{at}.name", item.get("name", method))
-        if not _ARM_NAME.match(name):
+        if not _ARM_NAME.fullmatch(name):
             raise SpecError(f"{at}.name", f"must be letters, digits, '_', '-', '.' (it names a directory), got {name!r}")
         if name in seen:
             raise SpecError(f"{at}.name", f"duplicate arm name {name!r} (also arms[{seen[name]}]); arm names must be unique")
         seen[name] = i
-        target = _model_ref(f"{at}.target", item["target"], family)
+        target = _model_ref(f"{at}.target", item["target"], family_name)
         draft = item.get("draft")
         if draft is not None:
-            draft = _model_ref(f"{at}.draft", draft, family)
-        params = item.get("params") or {}
-        if not isinstance(params, Mapping):
-            raise SpecError(f"{at}.params", f"must be a mapping, got {type(params).__name__}")
-        try:
-            resolved = loop.resolve_params(method, dict(params))
-        except (ValueError, TypeError, KeyError) as exc:
-            message = _param_message(exc)
-            key = _named_param(message, [*loop.METHODS[method], *params])
-            raise SpecError(f"{at}.params" + (f".{key}" if key else ""), message) from None
+            draft = _model_ref(f"{at}.draft", draft, family_name)
+        try:  # the method's parameter class is the one place its parameters are checked
+            params = family.parse_params(method, item.get("params"))
+        except ParamError as exc:
+            raise SpecError(f"{at}.params" + (f".{exc.field}" if exc.field else ""), exc.message) from None
+        if params.needs_draft and draft is None:
+            raise SpecError(f"{at}.draft", f"method {method!r} with these params needs a draft model; "
+                                           f"name one (a preset of family {family_name!r} or a checkpoint)")
         seed_offset = _integer(f"{at}.seed_offset", item.get("seed_offset", 0), minimum=0)
-        arms.append(ArmSpec(name=name, family=family, method=method, target=target, draft=draft,
-                            params=_plain(resolved), seed_offset=seed_offset))
+        arms.append(ArmSpec(name=name, family=family_name, method=method, target=target, draft=draft,
+                            params=params.to_dict(), seed_offset=seed_offset))
     return tuple(arms)
-
-
-def _param_message(exc: Exception) -> str:
-    # resolve_params names the parameter first ("gamma: must be..." or "parameter 'gamma'..."); keep its words.
-    text = str(exc.args[0]) if exc.args else str(exc)
-    return text
-
-
-def _named_param(message: str, names: list[str]) -> str | None:
-    """The parameter a resolve_params error is about: the first one the message names."""
-    found = []
-    for name in set(map(str, names)):
-        match = re.search(rf"(^|[\s'\"`]){re.escape(name)}(['\"`:=]|\s|$)", message)
-        if match:
-            found.append((match.start(), -len(name), name))
-    return min(found)[2] if found else None
 
 
 def _model_ref(path: str, value: Any, family: str) -> str:
@@ -514,7 +495,7 @@ def _dataset(path: str, raw: Any, spec: "JobSpec") -> DatasetSpec | None:
         if value in (None, ""):
             value = spec.fingerprint()
         value = _string(at, value)
-        if not _ARM_NAME.match(value):
+        if not _ARM_NAME.fullmatch(value):
             raise SpecError(at, f"must be letters, digits, '_', '-', '.' (it names a directory), got {value!r}")
     name = raw.get("name")
     if name is not None:
@@ -591,6 +572,13 @@ def _eval(path: str, raw: Any, arms: tuple[ArmSpec, ...]) -> EvalSpec:
     options = raw.get("options") or {}
     if not isinstance(options, Mapping):
         raise SpecError(f"{path}.options", "must be a mapping")
+    from specray.eval.options import ReduceOptions
+    from specray.methods.params import ParamError
+
+    try:  # checked now, not after generation
+        ReduceOptions.parse(options)
+    except ParamError as exc:
+        raise SpecError(f"{path}.options" + (f".{exc.field}" if exc.field else ""), exc.message) from None
     return EvalSpec(fid=fid, reference=reference, baseline=baseline, options=_plain(options))
 
 
@@ -653,58 +641,12 @@ def _hash(data: Any) -> str:
 
 # ---------------------------------------------------------------- the built-in demo
 
-DEMO_DISCRETE_METHODS = ("target_only", "sd", "block", "lantern", "cool_sd", "uniform_rsd")
-# target_only replicas at other seeds: the reducer's seed-to-seed FID spread ("within noise").
-DEMO_NOISE_SEED_OFFSETS = (1, 2)
-
-
-def _family_arms(prefix: str, family: str, target: str, draft: str | None,
-                 methods: list[tuple[str, str, dict[str, Any], str | None]]) -> list[dict[str, Any]]:
-    """One family's demo arms: its target_only, the target_only seed replicas, then ``methods``
-    given as (arm name, method, params, draft or None)."""
-    baseline = f"{prefix}target_only" if prefix else "target_only"
-    arms = [{"name": baseline, "family": family, "method": "target_only", "target": target, "draft": draft}]
-    arms += [{"name": f"{baseline}_seed{offset}", "family": family, "method": "target_only", "target": target,
-              "draft": draft, "seed_offset": offset} for offset in DEMO_NOISE_SEED_OFFSETS]
-    arms += [{"name": name, "family": family, "method": method, "target": target, "draft": arm_draft,
-              **({"params": params} if params else {})} for name, method, params, arm_draft in methods]
-    return arms
-
-
-def demo_arms() -> list[dict[str, Any]]:
-    """The demo's arms: every method of the three families on the digits presets."""
-    gpt_draft = "digits-gpt-draft"
-    discrete = [(m, m, {}, gpt_draft) for m in DEMO_DISCRETE_METHODS if m != "target_only"]
-    # COOL-SD's headline setting δ = 2 (the paper's main table has δ 1.1 and 2); at γ = 4 the spec's
-    # mean-normalised μ makes δ = 1.1 stricter than sd at positions 3-4 (see README).
-    discrete = [(n, m, {"delta": 2.0} if m == "cool_sd" else p, d) for n, m, p, d in discrete]
-    continuous = [
-        ("mar_cspd_exact", "cspd", {"mode": "exact"}, "digits-mar-draft"),
-        ("mar_cspd_paper", "cspd", {"mode": "paper"}, "digits-mar-draft"),
-    ]
-    diffusion = [
-        # One arm group (same draft name) so every diffusion arm runs on the same actor as its
-        # baseline; the Free drafter simply does not use the draft network.
-        ("ddpm_block_free", "spec_block", {"drafter": "free"}, "digits-ddpm-draft"),
-        ("ddpm_block_model", "spec_block", {"drafter": "model"}, "digits-ddpm-draft"),
-    ]
-    return (_family_arms("", "discrete_ar", "digits-gpt-target", gpt_draft, discrete)
-            + _family_arms("mar_", "continuous_ar", "digits-mar-target", "digits-mar-draft", continuous)
-            + _family_arms("ddpm_", "diffusion", "digits-ddpm", "digits-ddpm-draft", diffusion))
+DEMO_PATH = Path(__file__).with_name("demo.yaml")  # the demo's one definition (package data)
 
 
 def builtin_demo_dict() -> dict[str, Any]:
-    return {
-        "job_id": "demo",
-        "seed": 0,
-        "output": "runs/demo",
-        "conditions": {"kind": "class_labels", "per_class": 100, "classes": "all"},
-        "batch_size": 50,
-        "shard_batches": 2,
-        "actors": "auto",
-        "arms": demo_arms(),
-        "eval": {"fid": True, "reference": "digits", "baseline": "target_only"},
-    }
+    """The demo job as plain data (``specray/demo.yaml``)."""
+    return read_job_file(DEMO_PATH)
 
 
 def builtin_demo_job(**overrides: Any) -> JobSpec:

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from specray.methods.discrete_rules import RuleParams, _verify_impl
+from specray.methods.discrete.rules import RuleParams, _verify_impl
 
 
 @dataclass

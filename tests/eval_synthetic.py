@@ -10,7 +10,8 @@ from typing import Any
 
 import numpy as np
 
-from specray.runtime.store import RunStore, encode_png, rows_to_table
+from specray.runtime.images import encode_png
+from specray.runtime.store import RunStore, rows_to_table
 
 
 @dataclass

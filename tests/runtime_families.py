@@ -22,21 +22,35 @@ from __future__ import annotations
 import os
 import time
 from pathlib import Path
+from typing import Literal
 
 import torch
 
+from specray.families import Family, Method, register_family, resolve, unregister_family
+from specray.methods.params import Gamma, MethodParams
 from tests import test_runtime as base
 
 FAULTY = "faulty"
 GPUPROBE = "gpuprobe"
 FAULT_KINDS = ("oom", "cuda", "raise")
 
-_COMMON = {"sleep_s": 0.0, "busy_dir": ""}
-_FAULTY_METHODS = {
-    "target_only": dict(_COMMON),
-    "fake_sd": {"gamma": 2, **_COMMON},
-    "faulty": {**_COMMON, "marker_dir": "", "faults": {}, "times": 1},
-}
+class _Common(MethodParams):
+    sleep_s: float = 0.0
+    busy_dir: str = ""
+
+
+class FaultyTargetOnly(_Common):
+    pass
+
+
+class FaultySD(_Common):
+    gamma: Gamma = 2
+
+
+class Faulty(_Common):
+    marker_dir: str = ""
+    faults: dict[str, Literal["oom", "cuda", "raise"]] = {}
+    times: int = 1
 
 
 def _inside_actor() -> bool:
@@ -48,52 +62,32 @@ def _inside_actor() -> bool:
         return False
 
 
-class faulty:  # noqa: N801 - a module-like namespace: the registry imports it by "module" path
-    METHODS = _FAULTY_METHODS
-
-    @staticmethod
-    def resolve_params(method: str, params: dict) -> dict:
-        if method not in _FAULTY_METHODS:
-            raise ValueError(f"unknown method {method!r}; allowed: {', '.join(_FAULTY_METHODS)}")
-        unknown = set(params) - set(_FAULTY_METHODS[method])
-        if unknown:
-            raise ValueError(f"{sorted(unknown)[0]}: unknown parameter")
-        merged = {**_FAULTY_METHODS[method], **params}
-        for kind in merged.get("faults", {}).values():
-            if kind not in FAULT_KINDS:
-                raise ValueError(f"faults: kind must be one of {', '.join(FAULT_KINDS)}, got {kind!r}")
-        return merged
-
-    @staticmethod
-    def load_pair(target, draft, device):
-        return base.load_pair(target, draft, device)
-
-    @staticmethod
-    def run_batch(method, params, pair, labels, sample_ids, seed):
-        busy = Path(params["busy_dir"]) / f"busy-{os.getpid()}" if params["busy_dir"] else None
+def faulty_run_batch(method, params, pair, labels, sample_ids, seed):
+    method, params = resolve(FAULTY, method, params)
+    busy = Path(params.busy_dir) / f"busy-{os.getpid()}" if params.busy_dir else None
+    if busy is not None:
+        busy.write_text(",".join(map(str, sample_ids.tolist())))
+    try:
+        if params.sleep_s and _inside_actor():
+            time.sleep(params.sleep_s)
+        if method.name == "faulty":
+            _maybe_fault(params, sample_ids)
+        inner = "fake_sd" if method.name == "fake_sd" else "target_only"
+        return base.run_batch(inner, {"gamma": params.gamma} if inner == "fake_sd" else {},
+                              pair, labels, sample_ids, seed)
+    finally:
         if busy is not None:
-            busy.write_text(",".join(map(str, sample_ids.tolist())))
-        try:
-            if params["sleep_s"] and _inside_actor():
-                time.sleep(params["sleep_s"])
-            if method == "faulty":
-                _maybe_fault(params, sample_ids)
-            inner = "fake_sd" if method == "fake_sd" else "target_only"
-            return base.run_batch(inner, {"gamma": params["gamma"]} if "gamma" in params else {},
-                                  pair, labels, sample_ids, seed)
-        finally:
-            if busy is not None:
-                busy.unlink(missing_ok=True)
+            busy.unlink(missing_ok=True)
 
 
-def _maybe_fault(params: dict, sample_ids: torch.Tensor) -> None:
-    for key, kind in params["faults"].items():
+def _maybe_fault(params: Faulty, sample_ids: torch.Tensor) -> None:
+    for key, kind in params.faults.items():
         sid = int(key)
         if sid not in sample_ids.tolist():
             continue
-        marker = Path(params["marker_dir"]) / f"attempts-{sid}"
+        marker = Path(params.marker_dir) / f"attempts-{sid}"
         attempts = int(marker.read_text()) if marker.exists() else 0
-        if attempts >= params["times"]:
+        if attempts >= params.times:
             continue
         marker.write_text(str(attempts + 1))
         if kind == "oom":
@@ -103,61 +97,54 @@ def _maybe_fault(params: dict, sample_ids: torch.Tensor) -> None:
         raise RuntimeError(f"injected failure at sample {sid}")
 
 
-class gpuprobe:  # noqa: N801
-    METHODS = {"target_only": {}}
+def gpuprobe_load_pair(target, draft, device):
+    import ray
 
-    @staticmethod
-    def resolve_params(method: str, params: dict) -> dict:
-        return base.resolve_params(method, params)
+    if device.type != "cuda":
+        raise RuntimeError(f"gpuprobe expects the CUDA device Ray assigned, got {device}")
+    pair = base.load_pair(target, draft, torch.device("cpu"))  # no CUDA on the test machine
+    pair.info.update(assigned_device=str(device), gpu_ids=[str(g) for g in ray.get_gpu_ids()],
+                     cuda_visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES"))
+    return pair
 
-    @staticmethod
-    def load_pair(target, draft, device):
-        import ray
 
-        if device.type != "cuda":
-            raise RuntimeError(f"gpuprobe expects the CUDA device Ray assigned, got {device}")
-        pair = base.load_pair(target, draft, torch.device("cpu"))  # no CUDA on the test machine
-        pair.info.update(assigned_device=str(device), gpu_ids=[str(g) for g in ray.get_gpu_ids()],
-                         cuda_visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES"))
-        return pair
+def gpuprobe_run_batch(method, params, pair, labels, sample_ids, seed):
+    time.sleep(0.2)  # long enough that every actor of the pool gets a shard
+    result = base.run_batch("target_only", {}, pair, labels, sample_ids, seed)
+    for stats in result.stats:
+        stats.extra = {**pair.info, "cuda_initialized": torch.cuda.is_initialized()}
+    return result
 
-    @staticmethod
-    def run_batch(method, params, pair, labels, sample_ids, seed):
-        time.sleep(0.2)  # long enough that every actor of the pool gets a shard
-        result = base.run_batch(method, params, pair, labels, sample_ids, seed)
-        for stats in result.stats:
-            stats.extra = {**pair.info, "cuda_initialized": torch.cuda.is_initialized()}
-        return result
+
+FAMILIES = (
+    Family(name=FAULTY, summary="the fake sampler with injected faults and sleeps",
+           methods={"target_only": Method("target_only", FaultyTargetOnly), "fake_sd": Method("fake_sd", FaultySD),
+                    "faulty": Method("faulty", Faulty)},
+           loop=lambda: faulty_run_batch, load_pair=lambda: base.load_pair, trainer=lambda: None),
+    Family(name=GPUPROBE, summary="records the device and GPU ids Ray assigned",
+           methods={"target_only": Method("target_only", base.FakeTargetOnly)},
+           loop=lambda: gpuprobe_run_batch, load_pair=lambda: gpuprobe_load_pair, trainer=lambda: None),
+)
 
 
 def install() -> None:
     """Register the fake, faulty and gpuprobe families and their presets (driver and every worker)."""
-    import sys
-
-    from specray.methods import registry as loops
-    from specray.models import registry as models
     from specray.models.presets import PRESETS, Preset
 
     base.install_fake_family()
-    for family, namespace in ((FAULTY, faulty), (GPUPROBE, gpuprobe)):
-        module_name = f"{__name__}.{family}"
-        sys.modules[module_name] = namespace  # the registries import families by module name
-        loops.FAMILY_LOOPS[family] = module_name
-        models.FAMILY_MODELS[family] = module_name
-        for name, role in ((f"{family}-target", "target"), (f"{family}-draft", "draft")):
-            PRESETS.setdefault(name, Preset(name, family, role, {"num_classes": base.NUM_CLASSES}))
+    for entry in FAMILIES:
+        register_family(entry)
+        for name, role in ((f"{entry.name}-target", "target"), (f"{entry.name}-draft", "draft")):
+            PRESETS.setdefault(name, Preset(name, entry.name, role, {"num_classes": base.NUM_CLASSES}))
 
 
 def uninstall() -> None:
-    from specray.methods import registry as loops
-    from specray.models import registry as models
     from specray.models.presets import PRESETS
 
-    for family in (FAULTY, GPUPROBE):
-        loops.FAMILY_LOOPS.pop(family, None)
-        models.FAMILY_MODELS.pop(family, None)
-        PRESETS.pop(f"{family}-target", None)
-        PRESETS.pop(f"{family}-draft", None)
+    for entry in FAMILIES:
+        unregister_family(entry.name)
+        PRESETS.pop(f"{entry.name}-target", None)
+        PRESETS.pop(f"{entry.name}-draft", None)
     base.uninstall_fake_family()
 
 

@@ -13,9 +13,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specray.methods import continuous_loop, diffusion_loop, discrete_loop
-from specray.methods.stats import SampleStats
-from specray.models.registry import load_pair
+from specray.families import load_pair
+from specray.methods.common import SampleStats
+from specray.methods.continuous import loop as continuous_loop
+from specray.methods.diffusion import loop as diffusion_loop
+from specray.methods.discrete import loop as discrete_loop
 
 torch.set_num_threads(1)
 

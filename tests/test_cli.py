@@ -80,11 +80,16 @@ def test_validate_prints_the_plan(fake_family, tmp_path):  # noqa: F811
 def test_run_then_reduce(ray_local, tmp_path, monkeypatch):  # noqa: F811
     calls = []
     reducer = types.ModuleType("specray.eval.reduce")
-    reducer.reduce_run = lambda run_dir, *, print_table=True: calls.append((run_dir, print_table)) or {}
+    reducer.reduce_run = lambda run_dir, *, print_table=True, storage_options=None: calls.append(
+        (run_dir, print_table)) or {}
     monkeypatch.setitem(sys.modules, "specray.eval.reduce", reducer)
 
+    no_fid = tmp_path / "no_fid"
+    result = CliRunner().invoke(specray, ["run", str(_write(tmp_path, fake_job(no_fid, actors=1))), "--quiet"])
+    assert result.exit_code == 0 and "eval.fid is false: not scoring" in result.stdout and calls == []
+
     out = tmp_path / "out"
-    path = _write(tmp_path, fake_job(tmp_path / "ignored"))
+    path = _write(tmp_path, fake_job(tmp_path / "ignored", eval={"fid": True}))
     result = CliRunner().invoke(specray, ["run", str(path), "--output", str(out), "--actors", "1",
                                           "--per-class", "2", "--quiet"])
     assert result.exit_code == 0, result.output

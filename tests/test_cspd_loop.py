@@ -5,8 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specray.methods import continuous_loop as cl
-from specray.models.continuous_ar import load_pair, levels_to_tokens, tokens_to_uint8
+from specray.families import family
+from specray.methods.continuous import loop as cl
+from specray.methods.params import ParamError
+from specray.models.continuous_ar import levels_to_tokens, load_pair, tokens_to_uint8
 from specray.models.digits import load_digits_split, to_uint8_pixels
 
 torch.set_num_threads(1)
@@ -24,20 +26,21 @@ def real_pair():
 
 
 def test_resolve_params_modes_and_errors() -> None:
-    p = cl.resolve_params("cspd", {})
-    assert (p["mode"], p["sigma_orientation"], p["kappa"], p["final_step_noise"], p["window"]) == ("exact", "none", 1.0, True, "mar")
-    assert cl.resolve_params("cspd", {"mode": "code"})["kappa"] == 42.0
-    assert cl.resolve_params("cspd", {"mode": "paper", "kappa": 42})["sigma_orientation"] == "paper"
-    with pytest.raises(ValueError, match="'kappa'.*exact"):
-        cl.resolve_params("cspd", {"mode": "exact", "kappa": 42})
-    with pytest.raises(ValueError, match="'window'.*sequential"):
-        cl.resolve_params("cspd", {"window": "llm"})
-    with pytest.raises(ValueError, match="'mode'"):
-        cl.resolve_params("cspd", {"mode": "fast"})
-    with pytest.raises(ValueError, match="unknown parameter"):
-        cl.resolve_params("target_only", {"gamma": 4})
-    with pytest.raises(ValueError, match="unknown continuous_ar method"):
-        cl.resolve_params("medusa", {})
+    resolve = family("continuous_ar").parse_params
+    p = resolve("cspd", {})
+    assert (p.mode, p.sigma_orientation, p.kappa, p.final_step_noise, p.window) == ("exact", "none", 1.0, True, "mar")
+    assert resolve("cspd", {"mode": "code"}).kappa == 42.0
+    assert resolve("cspd", {"mode": "paper", "kappa": 42}).sigma_orientation == "paper"
+    with pytest.raises(ParamError, match="^kappa: .*exact"):
+        resolve("cspd", {"mode": "exact", "kappa": 42})
+    with pytest.raises(ParamError, match="^window: .*sequential"):
+        resolve("cspd", {"window": "llm"})
+    with pytest.raises(ParamError, match="^mode: "):
+        resolve("cspd", {"mode": "fast"})
+    with pytest.raises(ParamError, match="unknown parameter"):
+        resolve("target_only", {"gamma": 4})
+    with pytest.raises(KeyError, match="unknown method 'medusa' for family 'continuous_ar'"):
+        resolve("medusa", {})
 
 
 def test_tokens_roundtrip_digits() -> None:

@@ -17,7 +17,7 @@ import pytest
 import torch
 from scipy import stats
 
-from specray.methods.cspd import (
+from specray.methods.continuous.rules import (
     accept,
     keyed_draws,
     log_acceptance_ratio,

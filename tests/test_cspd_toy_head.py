@@ -16,13 +16,12 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
 import pytest
 import torch
 from scipy import stats
 
-from specray.methods.cspd import log_acceptance_ratio, residual_sample, accept
-from specray.methods.diffusion_head import run_chain
+from specray.methods.continuous.head import run_chain
+from specray.methods.continuous.rules import accept, log_acceptance_ratio, residual_sample
 from specray.models.continuous_schedule import DiffusionSchedule
 
 SCHEDULE = DiffusionSchedule.cosine(1000, 50)

@@ -19,8 +19,14 @@ import pytest
 import yaml
 from click.testing import CliRunner
 
-from specray.runtime.dataset import (CARD_NAME, PARTITION_RECORD, STAGING_DIR, model_versions, published_name,
-                                     run_dataset_job)
+from specray.runtime.dataset import (
+    CARD_NAME,
+    PARTITION_RECORD,
+    STAGING_DIR,
+    model_versions,
+    published_name,
+    run_dataset_job,
+)
 from specray.runtime.store import SAMPLE_SCHEMA
 from specray.spec import SpecError, load_job
 from tests.test_runtime import REPO_ROOT, fake_family, fake_job  # noqa: F401 (fixture)

@@ -22,8 +22,8 @@ import pytest
 import torch
 from scipy import stats
 
-from specray.methods.diffusion_loop import GaussianChain, ancestral_chain, speculative_chain
-from specray.methods.diffusion_verify import block_verify, token_verify
+from specray.methods.diffusion.loop import GaussianChain, ancestral_chain, speculative_chain
+from specray.methods.diffusion.rules import block_verify, token_verify
 
 K, D, SIGMA, N = 12, 2, 0.5, 40_000
 P_MIN = 1e-3
@@ -160,7 +160,7 @@ def test_iid_reference_advance(delta: float, gamma: int, block_ref: float) -> No
 def test_block_cut_probabilities_match_weights() -> None:
     """T10: with y_{1:i} fixed and eta / later drafts re-randomised, P(tau >= i) = w_i and P(tau = i) = R_i
     (i.i.d. model, delta = 1, gamma = 5, i = 2; 2e5 repetitions, seed 7, 4.5 binomial s.e.)."""
-    from specray.methods.diffusion_verify import block_weights
+    from specray.methods.diffusion.rules import block_weights
 
     delta, gamma, i, n = 1.0, 5, 2, 200_000
     log_rho, dl, eta = iid_rounds(delta, gamma, n, 7)
@@ -169,7 +169,7 @@ def test_block_cut_probabilities_match_weights() -> None:
     tau = block_verify(log_rho, dl, g, eta).tau
     log_w, _ = block_weights(log_rho[:1], dl[:1], g[:1])
     w_i = log_w[0, i].exp().item()
-    from specray.methods.gaussian_residual import log_residual_mass
+    from specray.methods.diffusion.residual import log_residual_mass
 
     R_i = log_residual_mass(torch.tensor(delta, dtype=torch.float64), log_w[0, i]).exp().item()
     for p_emp, p_true in [((tau >= i).double().mean().item(), w_i), ((tau == i).double().mean().item(), R_i)]:

@@ -9,7 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specray.methods import diffusion_loop
+from specray.families import family
+from specray.methods.diffusion import loop as diffusion_loop
+from specray.methods.params import ParamError
 from specray.models.diffusion import Denoiser, build_unet, gaussian_steps, make_scheduler
 from specray.models.pair import ModelPair
 
@@ -72,7 +74,7 @@ def test_run_batch_shapes_and_stats(method: str, params: dict) -> None:
     labels, ids = torch.tensor([0, 3, 7, 9]), torch.tensor([10, 11, 12, 13])
     result = diffusion_loop.run_batch(method, params, pair, labels, ids, seed=5)
     assert result.images.dtype == torch.uint8 and result.images.shape == (4, 8, 8)
-    full = diffusion_loop.resolve_params(method, params)
+    full = family("diffusion").parse_params(method, params).to_dict()
     for st in result.stats:
         assert st.num_tokens == 20
         if method == "target_only":
@@ -102,15 +104,16 @@ def test_batch_composition_does_not_change_samples() -> None:
 
 
 def test_resolve_params_errors() -> None:
-    with pytest.raises(ValueError, match="rejection"):
-        diffusion_loop.resolve_params("spec_block", {"rejection": "reflection"})
-    with pytest.raises(ValueError, match="drafter"):
-        diffusion_loop.resolve_params("spec_token", {"drafter": "oracle"})
-    with pytest.raises(ValueError, match="unknown params"):
-        diffusion_loop.resolve_params("target_only", {"gamma": 3})
-    with pytest.raises(ValueError, match="unknown diffusion method"):
-        diffusion_loop.resolve_params("spec_tree", {})
-    assert diffusion_loop.resolve_params("spec_block", {})["gamma"] == 7
+    resolve = family("diffusion").parse_params
+    with pytest.raises(ParamError, match="^rejection: must be one of 'residual'"):
+        resolve("spec_block", {"rejection": "reflection"})
+    with pytest.raises(ParamError, match="^drafter: "):
+        resolve("spec_token", {"drafter": "oracle"})
+    with pytest.raises(ParamError, match="^gamma: unknown parameter"):
+        resolve("target_only", {"gamma": 3})
+    with pytest.raises(KeyError, match="unknown method 'spec_tree' for family 'diffusion'"):
+        resolve("spec_tree", {})
+    assert resolve("spec_block", {}).gamma == 7
     with pytest.raises(ValueError, match="draft model"):
         diffusion_loop.run_batch("spec_block", {"drafter": "model", "num_steps": 5}, random_pair(False), torch.tensor([0]), torch.tensor([0]), 0)
 

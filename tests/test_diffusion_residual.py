@@ -13,7 +13,7 @@ import pytest
 import torch
 from scipy import integrate, stats
 
-from specray.methods.gaussian_residual import (
+from specray.methods.diffusion.residual import (
     log_residual_mass,
     residual_cdf,
     residual_moments,

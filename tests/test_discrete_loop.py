@@ -6,12 +6,22 @@ import pytest
 import torch
 from scipy.stats import chi2_contingency
 
-from specray.methods import discrete_loop
-from specray.methods.discrete_loop import METHODS, generate_tokens, resolve_params, run_batch
+from specray.families import family
+from specray.methods.discrete import loop as discrete_loop
+from specray.methods.discrete.loop import generate_tokens, run_batch
+from specray.methods.params import ParamError
 from specray.models.discrete_ar import load_pair
 from specray.models.presets import get_preset
 
 torch.set_num_threads(1)
+
+METHODS = list(family("discrete_ar").methods)
+
+
+def resolve_params(method, params):
+    """``method``'s typed parameters, through the family table (what the spec and the actor use)."""
+    return family("discrete_ar").parse_params(method, params)
+
 
 pytestmark = pytest.mark.skipif(
     not get_preset("digits-gpt-target").weights_path.exists() or not get_preset("digits-gpt-draft").weights_path.exists(),
@@ -28,20 +38,20 @@ def pair():
 
 
 def test_resolve_params_defaults_and_errors():
-    assert resolve_params("sd", None)["gamma"] == 4
-    assert resolve_params("cool_sd", {"delta": 2.0})["delta"] == 2.0
+    assert resolve_params("sd", None).gamma == 4
+    assert resolve_params("cool_sd", {"delta": 2.0}).delta == 2.0
     assert set(METHODS) == {"target_only", "sd", "block", "lantern", "cool_sd", "uniform_rsd"}
-    with pytest.raises(ValueError, match="unknown discrete_ar method 'eagle'"):
+    with pytest.raises(KeyError, match="unknown method 'eagle' for family 'discrete_ar'"):
         resolve_params("eagle", {})
-    with pytest.raises(ValueError, match="'gamma'"):
+    with pytest.raises(ParamError, match=r"^gamma: must be an integer in \[1, 64\], got 0"):
         resolve_params("sd", {"gamma": 0})
-    with pytest.raises(ValueError, match=r"unknown parameter\(s\) \['gamma'\]"):
+    with pytest.raises(ParamError, match="^gamma: unknown parameter; allowed: "):
         resolve_params("target_only", {"gamma": 3})
-    with pytest.raises(ValueError, match="top_p"):
+    with pytest.raises(ParamError, match="^top_p: "):
         resolve_params("block", {"top_p": 1.5})
-    with pytest.raises(ValueError, match="mode"):
+    with pytest.raises(ParamError, match="^mode: must be one of 'lambda', 'delta'"):
         resolve_params("lantern", {"mode": "kappa"})
-    with pytest.raises(ValueError, match="lam"):
+    with pytest.raises(ParamError, match="^lam: "):
         resolve_params("lantern", {"lam": 0.5})
 
 
@@ -168,6 +178,6 @@ def test_relaxed_rules_accept_more_than_sd(pair):
 
 
 def test_module_is_the_registered_family_loop():
-    from specray.methods.registry import family_loop
+    from specray.families import family
 
-    assert family_loop("discrete_ar") is discrete_loop
+    assert family("discrete_ar").loop() is discrete_loop.run_batch

@@ -7,8 +7,8 @@ import json
 import pytest
 import torch
 
-from specray.methods.discrete_loop import GuidedModel, sequence_tokens
-from specray.methods.processing import SamplingParams, process_logits, top_k_mask, top_p_mask
+from specray.methods.discrete.loop import GuidedModel, sequence_tokens
+from specray.methods.discrete.processing import SamplingParams, process_logits, top_k_mask, top_p_mask
 from specray.models.digits import load_digits_split, to_uint8_pixels
 from specray.models.discrete_ar import DiscreteGPT, GPTConfig, flops_per_token, load_model, load_pair
 from specray.models.discrete_train import TrainConfig, heldout_nll, save_model, train_model

@@ -14,19 +14,19 @@ import torch
 from scipy import stats
 
 from specray import rng as srng
-from specray.methods.discrete_rules import (
+from specray.methods.discrete import lantern as lantern_mod
+from specray.methods.discrete import rules as rules_mod
+from specray.methods.discrete.lantern import neighbours_from_embeddings
+from specray.methods.discrete.rules import (
     RULES,
     RuleParams,
     acceptance_probs,
-    correction_dist,
     cool_sd_omegas,
+    correction_dist,
     normalise,
     verify,
     verify_with_details,
 )
-from specray.methods import discrete_rules as rules_mod
-from specray.methods import lantern as lantern_mod
-from specray.methods.lantern import neighbours_from_embeddings
 from tests.discrete_enumeration import (
     ToyChain,
     draft_rows,

@@ -7,6 +7,7 @@ import json
 import math
 
 import numpy as np
+import pyarrow as pa
 import pytest
 import scipy.linalg
 import torch
@@ -23,7 +24,8 @@ from specray.eval.fid import (
 )
 from specray.eval.reduce import reduce_run
 from specray.eval.speedup import BatchTimes, speedup_over_baseline
-from specray.runtime.store import RunStore, encode_png, rows_to_table
+from specray.runtime.images import encode_png
+from specray.runtime.store import SAMPLE_SCHEMA, RunStore
 
 torch.set_num_threads(1)
 
@@ -228,7 +230,10 @@ def write_synthetic_run(root: str) -> None:
         for k in range(N_SAMPLES // shard_size):
             ids = range(k * shard_size, (k + 1) * shard_size)
             path = f"samples/arm={arm}/shard-{k:05d}-of-00002.parquet"
-            committed = store.write_shard(path, rows_to_table(_rows(arm, method, images, ids, walls, spec_stats)))
+            # Shards as written before rows named their actor (no actor column): pairs by (shard, batch).
+            rows = _rows(arm, method, images, ids, walls, spec_stats)
+            table = pa.Table.from_pylist(rows, schema=SAMPLE_SCHEMA.remove(SAMPLE_SCHEMA.get_field_index("actor")))
+            committed = store.write_shard(path, table)
             shards.append({"arm": arm, "shard": k, "num_shards": 2, "first_sample_id": ids[0], **committed.to_dict()})
     store.commit_bytes("samples/arm=sd/shard-00009-of-00002.parquet", b"not listed, not parquet")
     manifest = {

@@ -23,7 +23,8 @@ from specray.eval.reference import (
     write_adm_npz,
     write_fidelity_stats,
 )
-from specray.runtime.store import RunStore, encode_png, rows_to_table
+from specray.runtime.images import encode_png
+from specray.runtime.store import RunStore
 from tests.eval_synthetic import SyntheticArm, write_run
 
 torch.set_num_threads(1)

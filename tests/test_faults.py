@@ -10,7 +10,6 @@ equal to an uninterrupted run.
 
 from __future__ import annotations
 
-import io
 import json
 import os
 import signal

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import nbformat
-import pytest
 import torch
 
 from specray.eval.reduce import reduce_run

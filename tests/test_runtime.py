@@ -15,17 +15,20 @@ import json
 import os
 import shutil
 from pathlib import Path
+from typing import Literal
 
 import pyarrow.parquet as pq
 import pytest
 import torch
 
 from specray import rng
-from specray.methods.result import GenerationResult
-from specray.methods.stats import SampleStats
+from specray.families import Family, Method, register_family, resolve, unregister_family
+from specray.methods.common import GenerationResult, SampleStats
+from specray.methods.params import Gamma, MethodParams
 from specray.models.pair import ModelPair
+from specray.runtime.images import encode_png
 from specray.runtime.plan import ShardPlan, shard_relpath
-from specray.runtime.store import SAMPLE_SCHEMA, TEMP_MARKER, encode_png
+from specray.runtime.store import SAMPLE_SCHEMA, TEMP_MARKER
 from specray.spec import SpecError, load_job
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -37,25 +40,21 @@ NUM_CLASSES = 4
 IMAGE_SIDE = 6
 LEVELS = 17
 
-METHODS = {
-    "target_only": {},
-    "fake_sd": {"gamma": 2},
-    "flaky": {"marker_dir": "", "fail_sample_ids": [], "fail_mode": "raise", "times": 1},
-}
+class FakeTargetOnly(MethodParams):
+    @property
+    def lossless(self) -> bool:
+        return True
 
 
-def resolve_params(method: str, params: dict) -> dict:
-    if method not in METHODS:
-        raise ValueError(f"unknown method {method!r}; allowed: {', '.join(METHODS)}")
-    unknown = set(params) - set(METHODS[method])
-    if unknown:
-        raise ValueError(f"{sorted(unknown)[0]}: unknown parameter; allowed: {', '.join(METHODS[method]) or 'none'}")
-    merged = {**METHODS[method], **params}
-    if "gamma" in merged and (not isinstance(merged["gamma"], int) or merged["gamma"] < 1):
-        raise ValueError(f"gamma: must be an integer >= 1, got {merged['gamma']!r}")
-    if "fail_mode" in merged and merged["fail_mode"] not in ("raise", "exit"):
-        raise ValueError(f"fail_mode: must be one of raise, exit, got {merged['fail_mode']!r}")
-    return merged
+class FakeSD(MethodParams):
+    gamma: Gamma = 2
+
+
+class Flaky(MethodParams):
+    marker_dir: str = ""
+    fail_sample_ids: list[int] = []
+    fail_mode: Literal["raise", "exit"] = "raise"
+    times: int = 1
 
 
 def load_pair(target: str, draft: str | None, device: torch.device) -> ModelPair:
@@ -67,7 +66,8 @@ def load_pair(target: str, draft: str | None, device: torch.device) -> ModelPair
 
 
 def run_batch(method, params, pair, labels, sample_ids, seed) -> GenerationResult:
-    if method == "flaky":
+    method, params = resolve(FAKE_FAMILY, method, params)
+    if method.name == "flaky":
         _maybe_fail(params, sample_ids)
     onehot = torch.nn.functional.one_hot(labels, NUM_CLASSES).float().to(pair.device)
     with torch.no_grad():
@@ -77,7 +77,7 @@ def run_batch(method, params, pair, labels, sample_ids, seed) -> GenerationResul
     tokens = rng.categorical(probs, seed, sample_ids[:, None], "target", positions[None, :])
     images = (tokens * 255 // (LEVELS - 1)).to(torch.uint8).view(-1, IMAGE_SIDE, IMAGE_SIDE).cpu()
     num_tokens = IMAGE_SIDE * IMAGE_SIDE
-    gamma = params.get("gamma", 0)
+    gamma = getattr(params, "gamma", 0)
     stats = []
     for sid in sample_ids.tolist():
         accepted = int(rng.uniform(seed, sid, "accept") * gamma * 10) if gamma else 0
@@ -89,39 +89,41 @@ def run_batch(method, params, pair, labels, sample_ids, seed) -> GenerationResul
     return GenerationResult(images=images, stats=stats)
 
 
-def _maybe_fail(params: dict, sample_ids: torch.Tensor) -> None:
+def _maybe_fail(params: Flaky, sample_ids: torch.Tensor) -> None:
     """Fail the first ``times`` attempts at a batch holding one of ``fail_sample_ids`` (marker files count)."""
-    for sid in params["fail_sample_ids"]:
+    for sid in params.fail_sample_ids:
         if sid in sample_ids.tolist():
-            marker = Path(params["marker_dir"]) / f"attempts-{sid}"
+            marker = Path(params.marker_dir) / f"attempts-{sid}"
             attempts = int(marker.read_text()) if marker.exists() else 0
-            if attempts < params["times"]:
+            if attempts < params.times:
                 marker.write_text(str(attempts + 1))
-                if params["fail_mode"] == "exit":
+                if params.fail_mode == "exit":
                     os._exit(1)  # the worker process dies mid-shard, like a SIGKILL
                 raise RuntimeError(f"injected failure at sample {sid} (attempt {attempts + 1})")
 
 
+FAKE = Family(
+    name=FAKE_FAMILY, summary="a per-pixel categorical sampler for runtime tests",
+    methods={"target_only": Method("target_only", FakeTargetOnly), "fake_sd": Method("fake_sd", FakeSD),
+             "flaky": Method("flaky", Flaky)},
+    loop=lambda: run_batch, load_pair=lambda: load_pair, trainer=lambda: None,
+)
+
+
 def install_fake_family() -> None:
-    """Register the fake family, its loop and its presets (idempotent; runs in the driver and every worker)."""
-    from specray.methods import registry as loops
-    from specray.models import registry as models
+    """Register the fake family and its presets (idempotent; runs in the driver and every worker)."""
     from specray.models.presets import PRESETS, Preset, _load_all
 
     _load_all()
-    loops.FAMILY_LOOPS[FAKE_FAMILY] = __name__
-    models.FAMILY_MODELS[FAKE_FAMILY] = __name__
+    register_family(FAKE)
     for name, role in (("fake-target", "target"), ("fake-draft", "draft")):
         PRESETS.setdefault(name, Preset(name, FAKE_FAMILY, role, {"num_classes": NUM_CLASSES}))
 
 
 def uninstall_fake_family() -> None:
-    from specray.methods import registry as loops
-    from specray.models import registry as models
     from specray.models.presets import PRESETS
 
-    loops.FAMILY_LOOPS.pop(FAKE_FAMILY, None)
-    models.FAMILY_MODELS.pop(FAKE_FAMILY, None)
+    unregister_family(FAKE_FAMILY)
     PRESETS.pop("fake-target", None)
     PRESETS.pop("fake-draft", None)
 
@@ -223,8 +225,9 @@ def test_shard_names_are_deterministic_and_sortable():
 def test_png_encoding_is_deterministic():
     image = (torch.arange(64).view(8, 8) * 4).to(torch.uint8).numpy()
     assert encode_png(image) == encode_png(image.copy())
-    from PIL import Image
     import io
+
+    from PIL import Image
 
     assert (torch.from_numpy(__import__("numpy").array(Image.open(io.BytesIO(encode_png(image))))) ==
             torch.from_numpy(image)).all()
@@ -284,6 +287,29 @@ def test_images_identical_across_reruns_actor_counts_and_shard_sizes(reference_r
     for what, job in variants.items():
         run(job)
         assert images_by_key(Path(job["output"])) == expected, what
+
+
+def test_compare_samples_finds_identical_runs_and_a_changed_image(reference_run, tmp_path):
+    import pyarrow as pa
+    from click.testing import CliRunner
+
+    from specray.cli import specray
+
+    run(fake_job(tmp_path / "other_layout", actors=1, shard_batches=3))
+    same = CliRunner().invoke(specray, ["compare", "--samples", str(reference_run[0]), str(tmp_path / "other_layout")])
+    assert same.exit_code == 0 and same.output.rstrip().endswith("identical"), same.output
+    assert "fake_sd: 24 samples, images differ: 0, acceptance statistics differ: 0" in same.output
+    changed = tmp_path / "changed"
+    shutil.copytree(reference_run[0], changed)
+    shard = sorted((changed / "samples" / "arm=fake_sd").glob("*.parquet"))[0]
+    table = pq.read_table(shard)
+    images = table.column("image").to_pylist()
+    images[0] = images[1]
+    pq.write_table(table.set_column(table.schema.get_field_index("image"), "image",
+                                    pa.array(images, type=table.schema.field("image").type)), shard)
+    different = CliRunner().invoke(specray, ["compare", "--samples", str(reference_run[0]), str(changed)])
+    assert different.exit_code == 1 and "fake_sd: 24 samples, images differ: 1, acceptance statistics differ: 0" \
+        in different.output, different.output
 
 
 def test_in_process_worker_matches_actors_and_seed_matters(reference_run, tmp_path):

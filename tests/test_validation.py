@@ -79,7 +79,7 @@ CASES = [
     ("per_class 0", "conditions.per_class", 0, "conditions.per_class", "must be an integer >= 1, got 0"),
     ("negative batch size", "batch_size", -4, "batch_size", "must be an integer >= 1, got -4"),
     ("zero shard batches", "shard_batches", 0, "shard_batches", "must be an integer >= 1, got 0"),
-    ("gamma 0", "arms[1].params.gamma", 0, "arms[1].params.gamma", "must be an integer in [1, 32], got 0"),
+    ("gamma 0", "arms[1].params.gamma", 0, "arms[1].params.gamma", "must be an integer in [1, 64], got 0"),
     ("misspelt param", "arms[1].params", {"gama": 3}, "arms[1].params.gama",
      "allowed: ['cfg_scale', 'gamma', 'temperature', 'top_k', 'top_p']"),
     ("class out of range", "conditions.classes", [3, 10], "conditions.classes[1]",

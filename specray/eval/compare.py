@@ -1,14 +1,21 @@
-"""Compare two reduced runs (e.g. last night against tonight), arm by arm, from their report.json.
+"""Compare two runs (e.g. last night against tonight, or before and after an upgrade).
 
-For every arm in both runs: FID, IS, mean acceptance length, acceptance rate,
-throughput speedup and NFE ratio of each run, their difference (B - A), and for
-FID and speedup whether the two 95% intervals overlap (``changed`` is true when
-they do not: a difference beyond either run's own noise). Arms present in one
-run only are listed. Nothing is rescored; both runs must have been reduced.
+:func:`compare_runs`, from the two report.json files: for every arm in both runs, FID, IS, mean
+acceptance length, acceptance rate, throughput speedup and NFE ratio of each run, their difference
+(B - A), and for FID and speedup whether the two 95% intervals overlap (``changed`` is true when
+they do not: a difference beyond either run's own noise). Arms present in one run only are
+listed. Nothing is rescored; both runs must have been reduced.
+
+:func:`compare_samples`, from the two runs' shards (no report needed): per (arm, sample_id),
+whether the image bytes and the sample's acceptance statistics are identical. Same job, seed and
+batch size on the same kind of hardware should give zero differences: a sample is a pure function
+of (seed, sample_id, arm).
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 from typing import Any
 
@@ -112,3 +119,62 @@ def compare_markdown(comparison: dict[str, Any]) -> str:
 
 def _signed(value: Any) -> str:
     return "-" if not _finite(value) else f"{value:+.3f}"
+
+
+# Columns that a sample's seed, id and arm determine (not timings, actors, devices or versions).
+SAMPLE_DETERMINED = (
+    "method", "family", "target", "draft", "seed", "class_label", "params", "height", "width", "num_tokens",
+    "num_spec_steps", "num_draft_tokens", "num_accepted_draft_tokens", "draft_acceptance_rate",
+    "mean_acceptance_length", "accepted_per_position", "target_calls", "draft_calls", "extra_stats",
+)
+
+
+def _sample_digests(run: str, storage_options: dict[str, Any] | None) -> dict[str, dict[int, tuple[str, str]]]:
+    """arm -> sample_id -> (sha256 of the image bytes, sha256 of the sample-determined columns)."""
+    import pyarrow.parquet as pq
+
+    from specray.eval.shards import read_manifest
+
+    store = RunStore(run, storage_options)
+    manifest = read_manifest(store)
+    digests: dict[str, dict[int, tuple[str, str]]] = {}
+    for entry in manifest.shards:
+        with store.fs.open(store.full_path(entry.path), "rb") as handle:
+            table = pq.read_table(handle, columns=["sample_id", "image", *SAMPLE_DETERMINED])
+        for row in table.to_pylist():
+            image = hashlib.sha256(row.pop("image")["bytes"] or b"").hexdigest()
+            sample_id = row.pop("sample_id")
+            stats = hashlib.sha256(json.dumps(row, sort_keys=True).encode()).hexdigest()
+            digests.setdefault(entry.arm, {})[sample_id] = (image, stats)
+    return digests
+
+
+def compare_samples(run_a: str, run_b: str, storage_options: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Per arm: samples in both runs, and how many differ in image bytes / in acceptance statistics."""
+    a, b = _sample_digests(run_a, storage_options), _sample_digests(run_b, storage_options)
+    arms = []
+    for arm in [name for name in a if name in b]:
+        common = a[arm].keys() & b[arm].keys()
+        arms.append({
+            "arm": arm, "samples": len(common),
+            "only_in_a": len(a[arm].keys() - common), "only_in_b": len(b[arm].keys() - common),
+            "images_differ": sum(a[arm][i][0] != b[arm][i][0] for i in common),
+            "stats_differ": sum(a[arm][i][1] != b[arm][i][1] for i in common),
+        })
+    identical = all(r["images_differ"] == r["stats_differ"] == r["only_in_a"] == r["only_in_b"] == 0 for r in arms)
+    return {"run_a": run_a, "run_b": run_b, "arms": arms, "identical": identical and a.keys() == b.keys(),
+            "only_in_a": [n for n in a if n not in b], "only_in_b": [n for n in b if n not in a]}
+
+
+def compare_samples_text(comparison: dict[str, Any]) -> str:
+    lines = [f"specray compare --samples: {comparison['run_a']} (A) -> {comparison['run_b']} (B)"]
+    for row in comparison["arms"]:
+        lines.append(f"  {row['arm']}: {row['samples']} samples, images differ: {row['images_differ']}, "
+                     f"acceptance statistics differ: {row['stats_differ']}"
+                     + (f", only in A: {row['only_in_a']}, only in B: {row['only_in_b']}"
+                        if row["only_in_a"] or row["only_in_b"] else ""))
+    for side in ("only_in_a", "only_in_b"):
+        if comparison[side]:
+            lines.append(f"  arms {side.replace('_', ' ')}: {comparison[side]}")
+    lines.append("identical" if comparison["identical"] else "DIFFERENT")
+    return "\n".join(lines) + "\n"

@@ -24,10 +24,10 @@ import numpy as np
 import torch
 
 from specray.eval.fid import UInt8ImageDataset
+from specray.eval.options import DIGITS_EXTRACTOR as DIGITS_NAME
+from specray.eval.options import FEATURE_EXTRACTORS as EXTRACTORS
+from specray.eval.options import INCEPTION_EXTRACTOR as INCEPTION_NAME
 
-INCEPTION_NAME = "inception-v3-compat"
-DIGITS_NAME = "specray-digits"
-EXTRACTORS = (DIGITS_NAME, INCEPTION_NAME)
 INCEPTION_WEIGHTS_ENV = "SPECRAY_INCEPTION_WEIGHTS"
 
 # purpose -> layer, per extractor (torch-fidelity's defaults for each metric)

@@ -12,10 +12,10 @@ k=2 it is |a-b|/sqrt(2)), so the report states k next to the verdict; the
 paired-bootstrap difference interval (``fid.diff_vs_baseline``) is the second,
 seed-free statement of the same question.
 
-Lossless methods (their samples follow the target's distribution exactly):
-``sd`` and ``block`` (discrete token / block verification), ``cspd`` with
-``mode: exact``, and the diffusion family's speculative methods unless their
-params say ``mode`` other than ``exact``.
+Lossless methods (their samples follow the target's distribution exactly) are the ones whose
+parameter class says so (``lossless`` in the family table's ``methods/<family>/params.py``): for
+example ``sd`` and ``block``, ``cspd`` with ``mode: exact``, the diffusion family's speculative
+methods, and the relaxed rules at settings that relax nothing.
 """
 
 from __future__ import annotations
@@ -26,20 +26,23 @@ from typing import Any
 from specray.eval.checks import replica_key, seed_offset
 
 WITHIN_SD = 2.0
-LOSSLESS_DISCRETE = ("sd", "block")
 
 
 def is_lossless(family: str | None, method: str | None, params: dict[str, Any] | None) -> bool:
-    params = params or {}
-    if method in (None, "target_only"):
+    """Whether an arm (other than a target_only baseline) claims to sample the target's law.
+
+    Read from the method's parameter class; an arm the family table no longer knows, or whose
+    stored parameters it refuses (a run written by an older specray), claims nothing.
+    """
+    from specray.families import FAMILIES
+    from specray.methods.params import ParamError
+
+    if method in (None, "target_only") or family not in FAMILIES or method not in FAMILIES[family].methods:
         return False
-    if family == "discrete_ar":
-        return method in LOSSLESS_DISCRETE
-    if family == "continuous_ar":
-        return method == "cspd" and params.get("mode", "exact") == "exact"
-    if family == "diffusion":
-        return params.get("mode", "exact") == "exact"
-    return False
+    try:
+        return FAMILIES[family].parse_params(method, params or {}).lossless
+    except ParamError:
+        return False
 
 
 def seed_spread(arm_entries: list[dict[str, Any]], arm_infos: dict[str, dict[str, Any]],

@@ -21,7 +21,6 @@ from typing import Any
 import numpy as np
 import torch
 
-
 ISC_SPLIT_STREAM = "isc_split"
 
 

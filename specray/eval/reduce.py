@@ -48,11 +48,8 @@ report.json (``format`` "specray-report/1")::
 
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass
-from typing import Any
-
 import time
+from typing import Any
 
 import numpy as np
 import torch
@@ -63,6 +60,7 @@ from specray.eval.checks import RunCheckError, check_run  # noqa: F401  (RunChec
 from specray.eval.extractors import ImageFeatureExtractor
 from specray.eval.fid import digits_reference_images, fid_torch_fidelity, frechet_distance
 from specray.eval.noise import seed_spread
+from specray.eval.options import ReduceOptions
 from specray.eval.quality import precision_recall
 from specray.eval.reference import ReferenceStatistics, load_reference
 from specray.eval.report import TABLE_COLUMNS, format_table, grid_png, render_report_files, table_rows, write_json
@@ -71,47 +69,6 @@ from specray.eval.speedup import latency_speedup, ratio_with_paired_bootstrap, s
 from specray.runtime.store import RunStore
 
 REPORT_FORMAT = "specray-report/1"
-
-
-@dataclass(frozen=True)
-class ReduceOptions:
-    device: str = "cpu"
-    batch_rows: int = 1024  # rows per streamed record batch
-    bootstrap_replicates: int = 200
-    bootstrap_seed: int = 0
-    confidence: float = 0.95
-    grid_per_class: int = 2  # grid columns: this many smallest sample_ids of each class
-    image_budget_bytes: int = 256 * 2**20  # per arm, for torch-fidelity's in-memory calculate_metrics
-    drop_warmup: bool = True
-    speedup_replicates: int = 1000
-    checks: bool = True  # pre-scoring checks (count, duplicates, seeds, label balance)
-    feature_extractor: str = "specray-digits"  # or "inception-v3-compat"
-    inception_weights: str | None = None  # local InceptionV3 weights (else $SPECRAY_INCEPTION_WEIGHTS / cache)
-    isc: bool = True  # Inception Score (IS) on the extractor's logits
-    isc_splits: int = 10
-    prc: bool = False  # precision/recall (torch-fidelity prc) on up to prc_max_samples samples per arm
-    prc_max_samples: int = 2000
-    prc_neighborhood: int = 3
-    seed_spread_sd: float = 2.0  # "within seed spread": |FID - mean| <= this many seed-to-seed sd
-    plots: bool = True
-
-    @classmethod
-    def from_dict(cls, values: dict[str, Any]) -> ReduceOptions:
-        allowed = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(values) - allowed)
-        if unknown:
-            raise ValueError(f"eval.options: unknown reducer option(s) {unknown}; allowed: {sorted(allowed)}")
-        options = cls(**values)
-        if options.bootstrap_replicates < 2:
-            raise ValueError(f"bootstrap_replicates must be >= 2, got {options.bootstrap_replicates}")
-        if not 0.0 < options.confidence < 1.0:
-            raise ValueError(f"confidence must be in (0, 1), got {options.confidence}")
-        from specray.eval.extractors import EXTRACTORS
-
-        if options.feature_extractor not in EXTRACTORS:
-            raise ValueError(f"eval.options.feature_extractor: unknown {options.feature_extractor!r}; "
-                             f"allowed: {list(EXTRACTORS)}")
-        return options
 
 
 def reduce_run(
@@ -132,7 +89,7 @@ def reduce_run(
     manifest = read_manifest(store)
     spec_eval = (manifest.raw.get("spec") or {}).get("eval") or {}
     if options is None:
-        options = ReduceOptions.from_dict(dict(spec_eval.get("options") or {}))
+        options = ReduceOptions.parse(spec_eval.get("options") or {})
     reference_name = reference or spec_eval.get("reference", "digits")
     checks = check_run(store, manifest) if options.checks else None
 
@@ -224,7 +181,7 @@ def reduce_run(
             "bootstrap_seed": options.bootstrap_seed,
             "confidence": options.confidence,
         },
-        "options": dataclasses.asdict(options),
+        "options": options.to_dict(),
         "arms": arms,
         "seed_spread": spreads,
         "throughput": {"feature_extraction_s": extraction_s,

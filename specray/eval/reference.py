@@ -21,7 +21,6 @@ files carry no features: precision/recall then reports itself unavailable.
 
 from __future__ import annotations
 
-import io
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -32,6 +31,7 @@ import torch
 
 from specray.eval.extractors import ImageFeatureExtractor
 from specray.eval.fid import FeatureMoments
+from specray.runtime.images import decode_image, decode_image_column, stack_images
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".webp")
 PREFIXES = ("digits", "npz", "fidelity-stats", "folder", "parquet")
@@ -174,26 +174,13 @@ def write_fidelity_stats(path: str | os.PathLike, mu: np.ndarray, sigma: np.ndar
 # ---------------------------------------------------------------- image references
 
 
-def _decode(blob: bytes) -> np.ndarray:
-    from PIL import Image
-
-    with Image.open(io.BytesIO(blob)) as pil:
-        return np.asarray(pil.convert("L") if pil.mode in ("L", "P", "1", "I;16") else pil.convert("RGB"))
-
-
-def _stack(images: list[np.ndarray], where: str) -> np.ndarray:
-    shapes = {a.shape for a in images}
-    if len(shapes) > 1:
-        raise ValueError(f"{where}: reference images differ in shape {sorted(shapes)}; resize them to one size")
-    return np.stack(images).astype(np.uint8, copy=False)
-
-
 def iter_folder_images(path: str, batch_rows: int) -> Iterator[np.ndarray]:
     files = sorted(p for p in Path(path).rglob("*") if p.suffix.lower() in IMAGE_SUFFIXES)
     if not files:
         raise ValueError(f"eval.reference: folder {path!r} holds no images ({', '.join(IMAGE_SUFFIXES)})")
     for start in range(0, len(files), batch_rows):
-        yield _stack([_decode(f.read_bytes()) for f in files[start : start + batch_rows]], path)
+        yield stack_images([decode_image(f.read_bytes()) for f in files[start : start + batch_rows]],
+                           f"eval.reference: folder {path!r}")
 
 
 def iter_parquet_images(path: str, batch_rows: int) -> Iterator[np.ndarray]:
@@ -206,5 +193,5 @@ def iter_parquet_images(path: str, batch_rows: int) -> Iterator[np.ndarray]:
             raise ValueError(f"eval.reference: {file} has no 'image' column (struct<bytes, path>)")
         for batch in parquet.iter_batches(batch_size=batch_rows, columns=["image"]):
             column = batch.column("image")
-            blobs = column.field("bytes").to_pylist() if hasattr(column, "field") else column.to_pylist()
-            yield _stack([_decode(b) for b in blobs], str(file))
+            yield decode_image_column(column if hasattr(column, "field") else column.to_pylist(),
+                                      f"eval.reference: {file}")

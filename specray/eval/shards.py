@@ -8,7 +8,6 @@ the reducer's memory depends on the batch size, not on the run's size.
 
 from __future__ import annotations
 
-import io
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -17,6 +16,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from specray.runtime.images import decode_image_column
 from specray.runtime.store import MANIFEST_NAME, RunStore
 
 # Columns the reducer needs; ``actor`` is read too when a run has it.
@@ -102,16 +102,4 @@ def iter_shard_batches(store: RunStore, entry: ShardEntry, batch_rows: int = 102
 
 def decode_images(image_column: pa.Array) -> np.ndarray:
     """PNG structs -> uint8 ``[N, H, W]`` (grey) or ``[N, H, W, 3]``; every image of a batch must share a shape."""
-    from PIL import Image
-
-    decoded = []
-    for i, blob in enumerate(image_column.field("bytes").to_pylist()):
-        if blob is None:
-            raise ValueError(f"image {i} of a batch has no bytes (image.path references are not supported yet)")
-        with Image.open(io.BytesIO(blob)) as pil:
-            array = np.asarray(pil.convert("L") if pil.mode in ("L", "P", "1", "I;16") else pil.convert("RGB"))
-        decoded.append(array)
-    shapes = {a.shape for a in decoded}
-    if len(shapes) > 1:
-        raise ValueError(f"images of one batch differ in shape: {sorted(shapes)}")
-    return np.stack(decoded).astype(np.uint8, copy=False)
+    return decode_image_column(image_column)

@@ -20,12 +20,13 @@ import ray
 import torch
 
 import specray
-from specray.methods.registry import family_loop
-from specray.methods.result import GenerationResult
+from specray.families import FAMILIES, Method, resolve
+from specray.methods.common import GenerationResult
+from specray.methods.params import MethodParams
 from specray.models.pair import ModelPair
-from specray.models.registry import load_pair
+from specray.runtime.images import image_cell
 from specray.runtime.plan import ShardPlan, ShardTask, shard_relpath
-from specray.runtime.store import CommittedFile, RunStore, encode_png, rows_to_table
+from specray.runtime.store import CommittedFile, RunStore, rows_to_table
 from specray.spec import ArmSpec, JobSpec
 
 log = logging.getLogger(__name__)
@@ -93,6 +94,7 @@ class ShardWorker:
             # One intra-op thread per CPU Ray gave us: actors on one node must not oversubscribe it.
             torch.set_num_threads(max(1, int(spec.num_cpus_per_actor)))
         self._pairs: dict[tuple[str, str, str | None], ModelPair] = {}
+        self._methods: dict[str, tuple[Method, MethodParams]] = {}  # arm name -> entry and typed params
         self._versions = {"specray_version": specray.__version__, "torch_version": torch.__version__}
         self.actor = actor_tag()
         self._broken: str | None = None  # set by a device failure: refuse further work
@@ -124,8 +126,24 @@ class ShardWorker:
     def _pair(self, key: tuple[str, str, str | None]) -> ModelPair:
         if key not in self._pairs:
             family, target, draft = key
-            self._pairs[key] = load_pair(family, target, draft, self.device)
+            self._pairs[key] = FAMILIES[family].load_pair()(target, draft, self.device)
         return self._pairs[key]
+
+    def _method(self, arm: ArmSpec) -> tuple[Method, MethodParams]:
+        """The arm's method entry and typed parameters (the spec validated them; this only types them)."""
+        if arm.name not in self._methods:
+            self._methods[arm.name] = resolve(arm.family, arm.method, arm.params)
+        return self._methods[arm.name]
+
+    def _timed_batch(self, run_batch, arm: ArmSpec, pair: ModelPair, labels: torch.Tensor,
+                     sample_ids: torch.Tensor) -> tuple[GenerationResult, float]:
+        """One batch of one arm and its wall time, the device's queued work included."""
+        method, params = self._method(arm)
+        began = time.perf_counter()
+        result = run_batch(method, params, pair, labels, sample_ids, self.arm_seed(arm))
+        if pair.device.type == "cuda":
+            torch.cuda.synchronize(pair.device)
+        return result, time.perf_counter() - began
 
     def _run(self, task: ShardTask) -> list[CommittedFile]:
         relpaths = {arm.name: shard_relpath(arm.name, task.shard.index, task.shard.num_shards) for arm in task.arms}
@@ -136,18 +154,15 @@ class ShardWorker:
         if not arms:
             return [done[arm.name] for arm in task.arms]
         pair = self._pair(task.group_key)
-        loop = family_loop(task.group_key[0])
+        run_batch = FAMILIES[task.group_key[0]].loop()
         rows: dict[str, list[dict[str, Any]]] = {arm.name: [] for arm in arms}
         # Batch-major, arms in job order: each arm sees the same batches with the same
         # seeds on the same actor at nearly the same time (paired wall times).
         for start, stop in task.shard.batch_ranges():
             sample_ids, labels = self.plan.batch(start, stop)
             for arm in arms:
-                began = time.perf_counter()
-                result = loop.run_batch(arm.method, arm.params, pair, labels, sample_ids, self.arm_seed(arm))
-                wall = time.perf_counter() - began
-                result.batch_wall_time_s = wall
-                rows[arm.name].extend(self._rows(arm, result, sample_ids, labels))
+                result, wall = self._timed_batch(run_batch, arm, pair, labels, sample_ids)
+                rows[arm.name].extend(self._rows(arm, result, wall, sample_ids, labels))
         for arm in arms:
             done[arm.name] = self.store.write_shard(relpaths[arm.name], rows_to_table(rows.pop(arm.name)))
         return [done[arm.name] for arm in task.arms]
@@ -156,7 +171,7 @@ class ShardWorker:
         """The seed of every sample of ``arm``: the job seed shifted by the arm's ``seed_offset``."""
         return self.spec.seed + int(getattr(arm, "seed_offset", 0))
 
-    def _rows(self, arm: ArmSpec, result: GenerationResult, sample_ids: torch.Tensor,
+    def _rows(self, arm: ArmSpec, result: GenerationResult, wall_s: float, sample_ids: torch.Tensor,
               labels: torch.Tensor) -> list[dict[str, Any]]:
         images = result.images.detach().to("cpu").numpy()
         batch = len(sample_ids)
@@ -173,12 +188,11 @@ class ShardWorker:
                 "job_id": self.spec.job_id, "arm": arm.name, "method": arm.method, "family": arm.family,
                 "target": arm.target, "draft": arm.draft,
                 "sample_id": int(sample_ids[row]), "seed": self.arm_seed(arm), "class_label": int(labels[row]),
-                "image": {"bytes": encode_png(image), "path": None},
+                "image": image_cell(image),
                 "height": int(image.shape[0]), "width": int(image.shape[1]),
                 **record,
                 "accepted_per_position": [int(v) for v in record["accepted_per_position"]],
-                "batch_size": batch, "batch_wall_time_s": result.batch_wall_time_s,
-                "sample_wall_time_s": result.batch_wall_time_s / batch,
+                "batch_size": batch, "batch_wall_time_s": wall_s, "sample_wall_time_s": wall_s / batch,
                 "params": params, **self._versions, "device": str(self.device), "actor": self.actor,
                 "extra_stats": json.dumps(extra, sort_keys=True, default=_json_default),
             })

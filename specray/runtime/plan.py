@@ -14,10 +14,12 @@ grow with the number of samples.
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from specray.spec import ArmSpec, JobSpec
+
+if TYPE_CHECKING:  # the plan is arithmetic; torch only for the batches an actor asks for
+    import torch
 
 
 @dataclass(frozen=True)
@@ -89,12 +91,16 @@ class ShardPlan:
     def shards(self) -> list[Shard]:
         return [self.shard(k) for k in range(self.num_shards)]
 
-    def labels(self, sample_ids: torch.Tensor) -> torch.Tensor:
+    def labels(self, sample_ids: "torch.Tensor") -> "torch.Tensor":
+        import torch
+
         classes = torch.tensor(self.classes, dtype=torch.int64)
         return classes[sample_ids % len(self.classes)]
 
-    def batch(self, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def batch(self, start: int, stop: int) -> tuple["torch.Tensor", "torch.Tensor"]:
         """(sample_ids, labels) of the samples start..stop-1, int64 [B]."""
+        import torch
+
         sample_ids = torch.arange(start, stop, dtype=torch.int64)
         return sample_ids, self.labels(sample_ids)
 

@@ -24,20 +24,19 @@ import os
 from dataclasses import asdict, dataclass
 from typing import Any
 
-import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from specray.runtime import fs as storage
+from specray.runtime.images import IMAGE_TYPE
 
 MANIFEST_NAME = "_manifest.json"
 JOB_RECORD_NAME = "_job.json"
 TEMP_MARKER = ".tmp-"
 S3_PART_SIZE = 8 * 1024 * 1024  # multipart part size for large files (S3 needs >= 5 MiB)
 
-IMAGE_TYPE = pa.struct([("bytes", pa.binary()), ("path", pa.string())])
-
-# One row per (arm, sample); the design's Data section plus extra_stats.
+# One row per (arm, sample): the design's Data section plus actor and extra_stats. This is the row
+# schema's one declaration; rows_to_table refuses any row that does not match it exactly.
 SAMPLE_SCHEMA = pa.schema([
     ("job_id", pa.string()),
     ("arm", pa.string()),
@@ -72,28 +71,19 @@ SAMPLE_SCHEMA = pa.schema([
 ])
 
 
-def encode_png(image: np.ndarray) -> bytes:
-    """PNG bytes of a uint8 ``[H, W]`` (grey) or ``[H, W, 3]`` (RGB) image.
-
-    Deterministic: same pixels -> same bytes (fixed compression level, no
-    timestamps or text chunks).
-    """
-    from PIL import Image
-
-    if image.dtype != np.uint8:
-        raise TypeError(f"image must be uint8, got {image.dtype}")
-    if image.ndim == 2:
-        pil = Image.fromarray(image, mode="L")
-    elif image.ndim == 3 and image.shape[2] == 3:
-        pil = Image.fromarray(image, mode="RGB")
-    else:
-        raise ValueError(f"image must be [H, W] or [H, W, 3], got shape {tuple(image.shape)}")
-    buffer = io.BytesIO()
-    pil.save(buffer, format="PNG", compress_level=6, optimize=False)
-    return buffer.getvalue()
+class RowSchemaError(ValueError):
+    """A row whose columns are not exactly :data:`SAMPLE_SCHEMA`'s."""
 
 
 def rows_to_table(rows: list[dict[str, Any]]) -> pa.Table:
+    """A table of sample rows; a row with a missing or an extra column is an error (never a null or a drop)."""
+    expected = set(SAMPLE_SCHEMA.names)
+    for i, row in enumerate(rows):
+        if row.keys() != expected:
+            missing, extra = sorted(expected - row.keys()), sorted(row.keys() - expected)
+            raise RowSchemaError(f"row {i} (arm {row.get('arm')!r}, sample_id {row.get('sample_id')!r}) does not "
+                                 f"match the row schema (specray.runtime.store.SAMPLE_SCHEMA): missing columns "
+                                 f"{missing}, unexpected columns {extra}")
     return pa.Table.from_pylist(rows, schema=SAMPLE_SCHEMA)
 
 

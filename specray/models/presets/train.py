@@ -1,30 +1,27 @@
 """`specray train`: reproduce the built-in presets deterministically.
 
-Each family's trainer lives beside its model; this module only dispatches.
+A generator preset is trained by its family's trainer (the family table names it); the digits
+feature extractor by the reducer's own trainer.
 """
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 from pathlib import Path
 
-from specray.models.presets import WEIGHTS_DIR, PRESETS, get_preset
-
-# family -> "module:function" with signature (name, out_dir, seed) -> Path of the written weights
-TRAINERS: dict[str, str] = {
-    "discrete_ar": "specray.models.discrete_train:train_preset",
-    "continuous_ar": "specray.models.continuous_train:train_preset",
-    "diffusion": "specray.models.diffusion_train:train_preset",
-    "feature": "specray.eval.digits_features:train_preset",
-}
+from specray.models.presets import PRESETS, WEIGHTS_DIR, get_preset
 
 
 def trainer_for(name: str) -> Callable[..., Path]:
+    """``train(name, out_dir, seed) -> Path`` of preset ``name`` (KeyError naming the presets)."""
     preset = get_preset(name)
-    key = preset.family if preset.role != "feature" else "feature"
-    module_name, func = TRAINERS[key].split(":")
-    return getattr(importlib.import_module(module_name), func)
+    if preset.role == "feature":
+        from specray.eval.digits_features import train_preset
+
+        return train_preset
+    from specray.families import family
+
+    return family(preset.family).trainer()
 
 
 def train(name: str, out_dir: Path = WEIGHTS_DIR, seed: int = 0) -> Path:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specray.methods.gaussian_residual import DELTA_MIN, log1mexp, log_residual_mass
+from specray.methods.diffusion.residual import DELTA_MIN, log1mexp, log_residual_mass
 
 
 @dataclass

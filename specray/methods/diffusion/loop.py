@@ -25,7 +25,6 @@ network calls; ``extra``: ``states_evaluated`` (target states, CFG not doubled),
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -33,23 +32,17 @@ from typing import Any
 import torch
 
 from specray import rng
-from specray.methods.diffusion_verify import block_verify, log_ratio, token_verify
-from specray.methods.gaussian_residual import reflect, sample_residual
-from specray.methods.result import GenerationResult
-from specray.methods.stats import SampleStats
+from specray.families import Method, resolve
+from specray.methods.common import GenerationResult, RoundTally, SampleStats
+from specray.methods.diffusion.params import Common, Speculative
+from specray.methods.diffusion.residual import reflect, sample_residual
+from specray.methods.diffusion.rules import block_verify, log_ratio, token_verify
 
+FAMILY = "diffusion"
 DRAFTERS = ("frozen", "free", "model")
 VERIFICATIONS = ("token", "block")
 REJECTIONS = ("reflection", "residual")
 RESIDUAL_ALPHAS = ("w_tau", "one")  # "one" is the wrong rule, kept only as a negative control
-SAMPLERS = ("ddpm", "euler_maruyama")
-
-_COMMON = {"num_steps": 100, "sampler": "ddpm", "churn": 1.0, "guidance_scale": 1.0}
-METHODS: dict[str, dict[str, Any]] = {
-    "target_only": dict(_COMMON),
-    "spec_token": {**_COMMON, "drafter": "free", "gamma": 7, "rejection": "reflection"},
-    "spec_block": {**_COMMON, "drafter": "free", "gamma": 7, "rejection": "residual"},
-}
 
 EpsFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -73,38 +66,15 @@ class GaussianChain:
         return int(self.A.numel())
 
 
-@dataclass
-class ChainStats:
-    """Per-row counters of a speculative run (int64 / float64 tensors of shape [B])."""
+class ChainStats(RoundTally):
+    """The shared round tally plus the diffusion family's own per-row counters:
+    ``states_evaluated`` (target states, CFG not doubled) and ``expected_advance``
+    (Rao-Blackwellised steps per round, summed over rounds)."""
 
-    rounds: torch.Tensor
-    drafted: torch.Tensor
-    accepted: torch.Tensor
-    per_position: torch.Tensor  # [B, gamma]
-    target_calls: torch.Tensor
-    draft_calls: torch.Tensor
-    states_evaluated: torch.Tensor
-    expected_advance: torch.Tensor
-    # Steps drafted / accepted per denoising step index k [B, K_s], on the chain's device
-    # (moved to the host once by the caller): extra["acceptance_timeline"].
-    timeline_drafted: torch.Tensor | None = None
-    timeline_accepted: torch.Tensor | None = None
-
-    @classmethod
-    def zeros(cls, batch: int, gamma: int, num_steps: int = 0, device: torch.device | None = None) -> "ChainStats":
-        z = lambda: torch.zeros(batch, dtype=torch.int64)  # noqa: E731
-        timeline = lambda: torch.zeros(batch, num_steps, dtype=torch.int64, device=device)  # noqa: E731
-        return cls(z(), z(), z(), torch.zeros(batch, gamma, dtype=torch.int64), z(), z(), z(), torch.zeros(batch, dtype=torch.float64),
-                   timeline(), timeline())
-
-    def add_timeline(self, rows: torch.Tensor, first_step: torch.Tensor, drafted: torch.Tensor, accepted: torch.Tensor) -> None:
-        """Count one round of batch ``rows``: block slot j is step ``first_step + j``; ``drafted`` /
-        ``accepted`` are ``[n, G]`` masks (two index_adds, no host sync)."""
-        width = self.timeline_drafted.shape[1]
-        slot = torch.arange(drafted.shape[1], device=rows.device)[None, :]
-        flat = (rows[:, None] * width + (first_step[:, None] + slot).clamp(max=width - 1)).flatten()
-        self.timeline_drafted.view(-1).index_add_(0, flat, drafted.flatten().to(torch.int64))
-        self.timeline_accepted.view(-1).index_add_(0, flat, accepted.flatten().to(torch.int64))
+    def __init__(self, batch: int, gamma: int, num_steps: int, device: torch.device | str = "cpu") -> None:
+        super().__init__(batch, gamma, num_steps, device)
+        self.states_evaluated = torch.zeros(batch, dtype=torch.int64, device=device)
+        self.expected_advance = torch.zeros(batch, dtype=torch.float64, device=device)
 
 
 def _coef(table: torch.Tensor, k: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -171,7 +141,7 @@ def speculative_chain(
     k = torch.zeros(batch, dtype=torch.int64, device=device)
     stale = torch.zeros_like(x)
     has_stale = torch.zeros(batch, dtype=torch.bool, device=device)
-    stats = ChainStats.zeros(batch, gamma, num_steps=K, device=device)
+    stats = ChainStats(batch, gamma, K, device)
 
     while True:
         act = torch.nonzero(k < K).flatten()
@@ -179,7 +149,7 @@ def speculative_chain(
             break
         n = act.numel()
         kk, sid = k[act], sample_ids[act]
-        r = stats.rounds.to(device)[act]
+        r = stats.rounds[act]
         g = torch.clamp(K - kk, max=gamma)
         G = int(g.max())
         positions = torch.arange(G, device=device)
@@ -251,16 +221,11 @@ def speculative_chain(
         x[act] = x_new
         k[act] = kk + torch.where(rejected, tau + 1, g)
 
-        a = act.cpu()
-        stats.rounds[a] += 1
-        stats.drafted[a] += g.cpu()
-        stats.accepted[a] += tau.cpu()
-        stats.per_position[a, :G] += (positions[None, :] < tau[:, None]).cpu().to(torch.int64)
-        stats.add_timeline(act, kk, valid, positions[None, :] < tau[:, None])  # tau <= g: accepted within valid
-        stats.target_calls[a] += calls.cpu()
-        stats.draft_calls[a] += draft_calls.cpu()
-        stats.states_evaluated[a] += states.cpu()
-        stats.expected_advance[a] += verdict.expected_advance.cpu()
+        # block slot j is step kk + j; tau <= g, so the accepted slots lie within the drafted ones
+        stats.observe(act, kk[:, None] + positions[None, :], valid, positions[None, :] < tau[:, None])
+        stats.add_calls(act, target=calls, draft=draft_calls)
+        stats.states_evaluated[act] += states
+        stats.expected_advance[act] += verdict.expected_advance.to(stats.expected_advance.device)
     return x, stats
 
 
@@ -273,40 +238,14 @@ def _check(name: str, value: Any, allowed: tuple) -> None:
         raise ValueError(f"{name} must be one of {list(allowed)}, got {value!r}")
 
 
-def resolve_params(method: str, params: dict[str, Any] | None) -> dict[str, Any]:
-    """Defaults merged with ``params``, every value validated."""
-    if method not in METHODS:
-        raise ValueError(f"unknown diffusion method {method!r}; allowed: {sorted(METHODS)}")
-    params = dict(params or {})
-    unknown = set(params) - set(METHODS[method])
-    if unknown:
-        raise ValueError(f"unknown params {sorted(unknown)} for diffusion method {method!r}; allowed: {sorted(METHODS[method])}")
-    out = {**METHODS[method], **params}
-    if not isinstance(out["num_steps"], int) or out["num_steps"] < 2:
-        raise ValueError(f"num_steps must be an int >= 2, got {out['num_steps']!r}")
-    _check("sampler", out["sampler"], SAMPLERS)
-    if not float(out["churn"]) > 0:
-        raise ValueError(f"churn must be > 0 (deterministic steps cannot be speculated), got {out['churn']!r}")
-    if not float(out["guidance_scale"]) >= 0:
-        raise ValueError(f"guidance_scale must be >= 0, got {out['guidance_scale']!r}")
-    out["churn"], out["guidance_scale"] = float(out["churn"]), float(out["guidance_scale"])
-    if method != "target_only":
-        _check("drafter", out["drafter"], DRAFTERS)
-        if not isinstance(out["gamma"], int) or out["gamma"] < 1:
-            raise ValueError(f"gamma must be an int >= 1, got {out['gamma']!r}")
-        allowed_rejection = REJECTIONS if method == "spec_token" else ("residual",)  # reflection is not exact in block mode
-        _check("rejection", out["rejection"], allowed_rejection)
-    return out
-
-
-def model_chain(pair, params: dict[str, Any], labels: torch.Tensor):
+def model_chain(pair, params: Common, labels: torch.Tensor):
     """The GaussianChain of a loaded diffusion pair, plus its step table."""
     from specray.models.diffusion import gaussian_steps
 
-    steps = gaussian_steps(pair.info["scheduler"], params["num_steps"], params["sampler"], params["churn"])
+    steps = gaussian_steps(pair.info["scheduler"], params.num_steps, params.sampler, params.churn)
     device = pair.device
     timesteps = steps.timesteps.to(device)
-    scale = params["guidance_scale"]
+    scale = params.guidance_scale
     labels = labels.to(device)
 
     def network(model) -> EpsFn:
@@ -322,51 +261,39 @@ def model_chain(pair, params: dict[str, Any], labels: torch.Tensor):
     return chain, steps
 
 
-def run_batch(method: str, params: dict[str, Any], pair, labels: torch.Tensor, sample_ids: torch.Tensor, seed: int) -> GenerationResult:
-    """Generate one image per (label, sample_id); images uint8 [B, H, W]."""
+def run_batch(method: str | Method, params: Any, pair, labels: torch.Tensor, sample_ids: torch.Tensor,
+              seed: int) -> GenerationResult:
+    """Generate one image per (label, sample_id); images uint8 [B, H, W]. ``method``/``params`` as
+    names and a mapping, or as the family table's entry and typed parameters."""
     from specray.models.diffusion import final_step, to_uint8_image
 
-    params = resolve_params(method, params)
-    if method != "target_only" and params["drafter"] == "model" and pair.draft is None:
+    method, params = resolve(FAMILY, method, params)
+    if params.needs_draft and pair.draft is None:
         raise ValueError("drafter='model' needs a draft model: set the arm's draft (e.g. digits-ddpm-draft)")
-    start = time.perf_counter()
     device = pair.device
     sample_ids = sample_ids.to(device)
     chain, steps = model_chain(pair, params, labels)
     x = rng.normal(seed, sample_ids, "x_T", shape=pair.info["image_shape"], device=device, dtype=torch.float32)
     batch, K = x.shape[0], steps.num_steps
-    if method == "target_only":
-        x = ancestral_chain(chain, x, sample_ids, seed)
-        gamma = 0
-        cs = None
+    if isinstance(params, Speculative):
+        x, cs = speculative_chain(chain, x, sample_ids, seed, drafter=params.drafter,
+                                  verification=params.verification, rejection=params.rejection, gamma=params.gamma)
     else:
-        gamma = params["gamma"]
-        verification = "token" if method == "spec_token" else "block"
-        x, cs = speculative_chain(chain, x, sample_ids, seed, drafter=params["drafter"], verification=verification,
-                                  rejection=params["rejection"], gamma=gamma)
+        x, cs = ancestral_chain(chain, x, sample_ids, seed), None
     last = torch.full((batch,), K - 1, dtype=torch.int64, device=device)
-    eps = pair.target(x, steps.timesteps.to(device)[last], labels.to(device), params["guidance_scale"])
+    eps = pair.target(x, steps.timesteps.to(device)[last], labels.to(device), params.guidance_scale)
     images = to_uint8_image(final_step(x, eps, steps.final_alpha_bar))
-    stats = []
-    if cs is not None:  # one transfer each
-        timeline_drafted, timeline_accepted = cs.timeline_drafted.tolist(), cs.timeline_accepted.tolist()
-    for b in range(batch):
-        if cs is None:
-            extra = {"states_evaluated": K, "block_efficiency": 1.0, "guidance_scale": params["guidance_scale"]}
-            stats.append(SampleStats(num_tokens=K, target_calls=K, extra=extra))
-            continue
-        rounds = int(cs.rounds[b])
-        extra = {
-            "states_evaluated": int(cs.states_evaluated[b]) + 1,
-            "block_efficiency": (K - 1) / max(rounds, 1),
-            "expected_advance_per_round": float(cs.expected_advance[b]) / max(rounds, 1),
-            "speculated_steps": K - 1,
-            "guidance_scale": params["guidance_scale"],
-            "acceptance_timeline": {"accepted": timeline_accepted[b], "drafted": timeline_drafted[b]},
-        }
-        stats.append(SampleStats(
-            num_tokens=K, num_spec_steps=rounds, num_draft_tokens=int(cs.drafted[b]),
-            num_accepted_draft_tokens=int(cs.accepted[b]), accepted_per_position=cs.per_position[b].tolist(),
-            target_calls=int(cs.target_calls[b]) + 1, draft_calls=int(cs.draft_calls[b]), extra=extra,
-        ))
-    return GenerationResult(images=images, stats=stats, batch_wall_time_s=time.perf_counter() - start)
+    if cs is None:
+        extra = {"states_evaluated": K, "block_efficiency": 1.0, "guidance_scale": params.guidance_scale}
+        return GenerationResult(images, [SampleStats(num_tokens=K, target_calls=K, extra=dict(extra)) for _ in range(batch)])
+    cs.add_calls(None, target=1)  # the deterministic final step
+    rounds = cs.rounds.tolist()
+    states, advance = cs.states_evaluated.tolist(), cs.expected_advance.tolist()
+    extra = [{
+        "states_evaluated": states[b] + 1,
+        "block_efficiency": (K - 1) / max(rounds[b], 1),
+        "expected_advance_per_round": advance[b] / max(rounds[b], 1),
+        "speculated_steps": K - 1,
+        "guidance_scale": params.guidance_scale,
+    } for b in range(batch)]
+    return GenerationResult(images, cs.to_stats(K, extra=extra))

@@ -11,35 +11,13 @@ order. Randomness is keyed by (seed, sample_id, stream, position, step) via
   gives the draft its own streams ("x_T/draft", "eps/draft");
 * ``accept``, ``residual``: CSpD decisions and residual proposals.
 
-CSpD (spec ``shared/spec/cspd.md``) parameters:
-
-* ``mode``: ``exact`` (default), ``paper`` or ``code`` names a setting of the
-  three paper/code conflicts (§2.5, §9.1-2):
-
-  ============ ================= ====== ================
-  mode         sigma_orientation kappa  final_step_noise
-  ============ ================= ====== ================
-  ``exact``    none              1      True
-  ``paper``    paper             1      False
-  ``code``     code              42     False
-  ============ ================= ====== ================
-
-  ``paper``/``code`` accept explicit overrides of the three (ablations);
-  ``exact`` rejects them. Default ``exact`` because it is the only setting in
-  which each accepted or resampled token is exactly distributed as the target's
-  head given the same context (§5.6), so FID parity is guaranteed rather than
-  hoped for; in the windowed scheme the speedup is set by call counts, not by
-  the acceptance rate (§1.4a), so exactness costs no speed there.
-* ``window``: ``mar`` (default, official code): every window token is decided
-  independently against the target's prefix-only prediction and the whole
-  window is finalised (target law = the target emitting the window in one
-  parallel step, §1.4c). ``sequential`` (LLM-style, §6.5): the target sees
-  the drafted tokens before each window slot, the scan stops at the first
-  rejection, a bonus token is emitted when all are accepted; in exact mode
-  this reproduces target-only decoding's law.
-* ``gamma`` (draft length), ``prefill_ratio`` (ρ: steps k ≤ ρ·L are target
-  steps), ``max_tries`` (residual cap; hits fall back to μ^p_1 and are
-  reported in ``extra['resample_cap_hits']``), ``no_align``.
+CSpD (spec ``shared/spec/cspd.md``): its parameters, the ``mode`` table (paper/code/exact
+settings of the spec's conflicts) and the window semantics are documented on
+:class:`specray.methods.continuous.params.CSpD`. ``window: mar`` (default, official code) decides
+every window token independently against the target's prefix-only prediction and finalises the
+whole window (target law = the target emitting the window in one parallel step, §1.4c);
+``window: sequential`` (LLM-style, §6.5) stops at the first rejection and emits a bonus token when
+all are accepted, which in exact mode reproduces target-only decoding's law.
 
 CFG: scale ``cfg`` with ``cfg_schedule`` constant or linear (w_k = 1 + (w−1)(k+1)/L
 for the token emitted at generation step k); each position is drafted and
@@ -49,105 +27,22 @@ window" is a bug the spec lists, §9.6).
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from specray import rng
-from specray.methods.cspd import (
-    SIGMA_ORIENTATIONS,
-    accept,
-    keyed_draws,
-    log_acceptance_ratio,
-    residual_sample,
-)
-from specray.methods.diffusion_head import ChainOutput, guided_eps_fn, run_chain
-from specray.methods.result import GenerationResult
-from specray.methods.stats import SampleStats
+from specray.families import Method, resolve
+from specray.methods.common import GenerationResult, RoundTally, SampleStats
+from specray.methods.continuous.head import ChainOutput, guided_eps_fn, run_chain
+from specray.methods.continuous.params import Common, CSpD
+from specray.methods.continuous.rules import accept, keyed_draws, log_acceptance_ratio, residual_sample
 from specray.models.continuous_ar import ContentCache, ContinuousAR, tokens_to_uint8
 from specray.models.continuous_schedule import DiffusionSchedule
 from specray.models.pair import ModelPair
 
-_COMMON: dict[str, Any] = {
-    "order": "random",
-    "temperature": 1.0,
-    "cfg": 1.0,
-    "cfg_schedule": "constant",
-    "sample_steps": None,  # None: the presets' diffusion_sample_steps
-    "clip_denoised": True,  # clamp x̂0 to the token range [-1, 1] (MAR: False; see diffusion_head.run_chain)
-}
-
-METHODS: dict[str, dict[str, Any]] = {
-    "target_only": {**_COMMON, "final_step_noise": False},
-    "cspd": {
-        **_COMMON,
-        "gamma": 4,
-        "prefill_ratio": 0.05,
-        "mode": "exact",
-        "sigma_orientation": None,  # None: from mode
-        "kappa": None,
-        "final_step_noise": None,
-        "window": "mar",
-        "no_align": False,
-        "max_tries": 100,
-    },
-}
-
-MODES: dict[str, dict[str, Any]] = {
-    "exact": {"sigma_orientation": "none", "kappa": 1.0, "final_step_noise": True},
-    "paper": {"sigma_orientation": "paper", "kappa": 1.0, "final_step_noise": False},
-    "code": {"sigma_orientation": "code", "kappa": 42.0, "final_step_noise": False},
-}
-WINDOWS = ("mar", "sequential")
-ORDERS = ("random", "raster")
-CFG_SCHEDULES = ("constant", "linear")
-
-
-# -- parameters ------------------------------------------------------------------------------------
-def _check(cond: bool, name: str, allowed: str, value: Any) -> None:
-    if not cond:
-        raise ValueError(f"parameter {name!r} must be {allowed}, got {value!r}")
-
-
-def resolve_params(method: str, params: dict[str, Any] | None) -> dict[str, Any]:
-    if method not in METHODS:
-        raise ValueError(f"unknown continuous_ar method {method!r}; allowed: {', '.join(METHODS)}")
-    params = dict(params or {})
-    unknown = set(params) - set(METHODS[method])
-    if unknown:
-        raise ValueError(f"unknown parameter(s) {sorted(unknown)} for {method!r}; allowed: {sorted(METHODS[method])}")
-    out = {**METHODS[method], **params}
-    _check(out["order"] in ORDERS, "order", f"one of {ORDERS}", out["order"])
-    _check(out["cfg_schedule"] in CFG_SCHEDULES, "cfg_schedule", f"one of {CFG_SCHEDULES}", out["cfg_schedule"])
-    _check(isinstance(out["temperature"], (int, float)) and out["temperature"] > 0, "temperature", "a number > 0", out["temperature"])
-    _check(isinstance(out["cfg"], (int, float)) and out["cfg"] >= 0, "cfg", "a number >= 0", out["cfg"])
-    ss = out["sample_steps"]
-    _check(ss is None or (isinstance(ss, int) and 2 <= ss <= 1000), "sample_steps", "None or an int in [2, 1000]", ss)
-    _check(isinstance(out["clip_denoised"], bool), "clip_denoised", "a bool", out["clip_denoised"])
-    out["temperature"], out["cfg"] = float(out["temperature"]), float(out["cfg"])
-    if method == "target_only":
-        _check(isinstance(out["final_step_noise"], bool), "final_step_noise", "a bool", out["final_step_noise"])
-        return out
-    _check(out["mode"] in MODES, "mode", f"one of {tuple(MODES)}", out["mode"])
-    _check(out["window"] in WINDOWS, "window", f"one of {WINDOWS}", out["window"])
-    _check(isinstance(out["gamma"], int) and out["gamma"] >= 1, "gamma", "an int >= 1", out["gamma"])
-    rho = out["prefill_ratio"]
-    _check(isinstance(rho, (int, float)) and 0 <= rho < 1, "prefill_ratio", "a number in [0, 1)", rho)
-    _check(isinstance(out["no_align"], bool), "no_align", "a bool", out["no_align"])
-    _check(isinstance(out["max_tries"], int) and out["max_tries"] >= 1, "max_tries", "an int >= 1", out["max_tries"])
-    defaults = MODES[out["mode"]]
-    for key, value in defaults.items():
-        if out[key] is None:
-            out[key] = value
-        elif out["mode"] == "exact" and out[key] != value:
-            raise ValueError(f"parameter {key!r} must be {value!r} (or unset) in mode 'exact', got {out[key]!r}")
-    _check(out["sigma_orientation"] in SIGMA_ORIENTATIONS, "sigma_orientation", f"one of {SIGMA_ORIENTATIONS}", out["sigma_orientation"])
-    _check(isinstance(out["kappa"], (int, float)) and out["kappa"] > 0, "kappa", "a number > 0", out["kappa"])
-    _check(isinstance(out["final_step_noise"], bool), "final_step_noise", "a bool", out["final_step_noise"])
-    out["kappa"] = float(out["kappa"])
-    return out
+FAMILY = "continuous_ar"
 
 
 # -- shared randomness -------------------------------------------------------------------------------
@@ -253,7 +148,7 @@ def head_chain(
 # -- the loops ------------------------------------------------------------------------------------
 @dataclass
 class _Setup:
-    params: dict[str, Any]
+    params: Common
     schedule: DiffusionSchedule
     order: torch.Tensor
     w: torch.Tensor  # [L] cfg per generation step
@@ -264,21 +159,21 @@ class _Setup:
 
     @property
     def clip(self) -> float | None:
-        return 1.0 if self.params["clip_denoised"] else None
+        return 1.0 if self.params.clip_denoised else None
 
 
-def _setup(method: str, params: dict[str, Any], pair: ModelPair, sample_ids: torch.Tensor, seed: int) -> _Setup:
+def _setup(params: Common, pair: ModelPair, sample_ids: torch.Tensor, seed: int) -> _Setup:
     target: ContinuousAR = pair.target
     cfgm = target.config
-    steps = params["sample_steps"] or cfgm.diffusion_sample_steps
+    steps = params.sample_steps or cfgm.diffusion_sample_steps
     schedule = DiffusionSchedule.cosine(cfgm.diffusion_train_steps, steps)
     L, d = cfgm.num_tokens, cfgm.token_dim
-    order = generation_order(params["order"], seed, sample_ids, L)
+    order = generation_order(params.order, seed, sample_ids, L)
     noise_t = ChainNoise.draw(seed, sample_ids, L, schedule.num_steps, d)
     noise_d = noise_t
-    if method == "cspd" and params["no_align"]:
+    if isinstance(params, CSpD) and params.no_align:
         noise_d = ChainNoise.draw(seed, sample_ids, L, schedule.num_steps, d, suffix="/draft")
-    w = cfg_scales(params["cfg"], params["cfg_schedule"], L, sample_ids.device)
+    w = cfg_scales(params.cfg, params.cfg_schedule, L, sample_ids.device)
     return _Setup(params, schedule, order, w, noise_t, noise_d, L, d)
 
 
@@ -303,69 +198,42 @@ def _step_slots(s: _Setup, gen_index: torch.Tensor, noise: ChainNoise) -> tuple[
 
 def _run_target_only(s: _Setup, pair: ModelPair, labels: torch.Tensor) -> tuple[torch.Tensor, list[SampleStats]]:
     b, L = labels.shape[0], s.num_tokens
-    tgt = ModelSide(pair.target, labels, s.params["cfg"] != 1.0, extra_slots=_cache_slack(1, L))
+    tgt = ModelSide(pair.target, labels, s.params.cfg != 1.0, extra_slots=_cache_slack(1, L))
     seq = torch.zeros(b, L, s.dim, device=labels.device)
     for k in range(L):
         idx = torch.full((b, 1), k, dtype=torch.int64, device=labels.device)
         z = tgt.context(seq, s.order, idx[:, 0], idx, idx)
         x_T, eps, w = _step_slots(s, idx, s.noise_target)
-        out = head_chain(tgt, s.schedule, z, w, x_T, eps, s.params["temperature"], s.params["final_step_noise"], s.clip)
+        out = head_chain(tgt, s.schedule, z, w, x_T, eps, s.params.temperature, s.params.final_step_noise, s.clip)
         seq[:, k] = out.x0.reshape(b, s.dim)
     stats = [SampleStats(num_tokens=L, target_calls=L) for _ in range(b)]
     return seq, stats
 
 
 @dataclass
-class _CspdTally:
-    """Per-row counters of a CSpD run."""
+class _CspdExtras:
+    """CSpD's own per-row numbers beside the shared round tally: resampling and the log-ratio terms."""
 
     batch: int
-    gamma: int
-    num_tokens: int = 0
-    device: torch.device | str = "cpu"
 
     def __post_init__(self) -> None:
-        b = self.batch
-        # Drafts verified / accepted per generation step index, kept on the run's device and moved
-        # once in stats(): extra["acceptance_timeline"].
-        self.timeline_drafted = torch.zeros(b, self.num_tokens, dtype=torch.int64, device=self.device)
-        self.timeline_accepted = torch.zeros(b, self.num_tokens, dtype=torch.int64, device=self.device)
-        z = lambda: torch.zeros(b, dtype=torch.int64)  # noqa: E731
-        self.spec_steps, self.draft_tokens, self.accepted = z(), z(), z()
-        self.target_calls, self.draft_calls = z(), z()
-        self.resampled, self.tries, self.cap_hits = z(), z(), z()
-        self.per_position = torch.zeros(b, self.gamma, dtype=torch.int64)
-        self.sum_log_ratio = torch.zeros(b, dtype=torch.float64)
-        self.sum_log_factor = torch.zeros(b, dtype=torch.float64)
-        self.sum_final = torch.zeros(b, dtype=torch.float64)
-        self.verified = z()
+        z = lambda dtype=torch.int64: torch.zeros(self.batch, dtype=dtype)  # noqa: E731
+        self.resampled, self.tries, self.cap_hits, self.verified = z(), z(), z(), z()
+        self.sum_log_ratio, self.sum_log_factor, self.sum_final = z(torch.float64), z(torch.float64), z(torch.float64)
 
-    def stats(self, num_tokens: int) -> list[SampleStats]:
+    def rows(self) -> list[dict[str, Any]]:
         out = []
-        drafted, accepted = self.timeline_drafted.tolist(), self.timeline_accepted.tolist()
         for i in range(self.batch):
             nv = max(int(self.verified[i]), 1)
             nr = int(self.resampled[i])
-            out.append(
-                SampleStats(
-                    num_tokens=num_tokens,
-                    num_spec_steps=int(self.spec_steps[i]),
-                    num_draft_tokens=int(self.draft_tokens[i]),
-                    num_accepted_draft_tokens=int(self.accepted[i]),
-                    accepted_per_position=[int(v) for v in self.per_position[i]],
-                    target_calls=int(self.target_calls[i]),
-                    draft_calls=int(self.draft_calls[i]),
-                    extra={
-                        "mean_resample_tries": float(self.tries[i]) / nr if nr else 0.0,
-                        "resample_cap_hits": int(self.cap_hits[i]),
-                        "resampled_tokens": nr,
-                        "mean_log_ratio": float(self.sum_log_ratio[i]) / nv,
-                        "mean_log_sigma_factor": float(self.sum_log_factor[i]) / nv,
-                        "mean_final_step_term": float(self.sum_final[i]) / nv,
-                        "acceptance_timeline": {"accepted": accepted[i], "drafted": drafted[i]},
-                    },
-                )
-            )
+            out.append({
+                "mean_resample_tries": float(self.tries[i]) / nr if nr else 0.0,
+                "resample_cap_hits": int(self.cap_hits[i]),
+                "resampled_tokens": nr,
+                "mean_log_ratio": float(self.sum_log_ratio[i]) / nv,
+                "mean_log_sigma_factor": float(self.sum_log_factor[i]) / nv,
+                "mean_final_step_term": float(self.sum_final[i]) / nv,
+            })
         return out
 
 
@@ -378,13 +246,13 @@ def _verify_slots(
     b, m = gen_index.shape
     z = tgt.context(seq, s.order, n_verified, gen_index, visible)
     x_T, eps, w = _step_slots(s, gen_index, s.noise_target)
-    pch = head_chain(tgt, s.schedule, z, w, x_T, eps, p["temperature"], p["final_step_noise"], s.clip)
+    pch = head_chain(tgt, s.schedule, z, w, x_T, eps, p.temperature, p.final_step_noise, s.clip)
     qi = gen_index.clamp(max=s.num_tokens - 1)
     gather = lambda t: torch.gather(t, 1, qi[..., None].expand(-1, -1, t.shape[-1])).reshape(b * m, -1) if t.dim() == 3 \
         else torch.gather(t, 1, qi).reshape(b * m)  # noqa: E731
     ratio = log_acceptance_ratio(
         gather(seq), pch.mu1, pch.s1, pch.slog, gather(q["mu1"]), gather(q["s1"]), gather(q["slog"]),
-        p["sigma_orientation"], p["kappa"],
+        p.sigma_orientation, p.kappa,
     )
     positions = torch.gather(s.order, 1, qi)
     sids = sample_ids[:, None].expand(b, m).reshape(-1)
@@ -404,43 +272,44 @@ def _resample(
     draw = keyed_draws(seed, sample_ids_flat[b_rows], positions_flat[b_rows], s.dim)
     return residual_sample(
         pch.mu1[b_rows].double(), pch.s1[b_rows].double(), qmu.double(), qs.double(), log_factor[b_rows], draw,
-        s.params["max_tries"],
+        s.params.max_tries,
     )
 
 
 def _run_cspd(s: _Setup, pair: ModelPair, labels: torch.Tensor, sample_ids: torch.Tensor, seed: int):
     p = s.params
-    b, L, d, gamma = labels.shape[0], s.num_tokens, s.dim, p["gamma"]
+    b, L, d, gamma = labels.shape[0], s.num_tokens, s.dim, p.gamma
     dev = labels.device
-    use_cfg = p["cfg"] != 1.0
+    use_cfg = p.cfg != 1.0
     tgt = ModelSide(pair.target, labels, use_cfg, extra_slots=_cache_slack(gamma, L))
     dft = ModelSide(pair.draft, labels, use_cfg, extra_slots=_cache_slack(gamma, L))
     seq = torch.zeros(b, L, d, device=dev)
     q = {"mu1": torch.zeros(b, L, d, device=dev), "s1": torch.ones(b, L, d, device=dev),
          "slog": torch.zeros(b, L, dtype=torch.float64, device=dev)}
-    tally = _CspdTally(b, gamma, num_tokens=L, device=dev)
-    tau = p["temperature"]
+    tally = RoundTally(b, gamma, L, dev)
+    extras = _CspdExtras(b)
+    tau = p.temperature
 
     def target_step(k: int) -> None:
         idx = torch.full((b, 1), k, dtype=torch.int64, device=dev)
         z = tgt.context(seq, s.order, idx[:, 0], idx, idx)
         x_T, eps, w = _step_slots(s, idx, s.noise_target)
-        seq[:, k] = head_chain(tgt, s.schedule, z, w, x_T, eps, tau, p["final_step_noise"], s.clip).x0.reshape(b, d)
-        tally.target_calls += 1
+        seq[:, k] = head_chain(tgt, s.schedule, z, w, x_T, eps, tau, p.final_step_noise, s.clip).x0.reshape(b, d)
+        tally.add_calls(None, target=1)
 
     def draft_step(gen_index: torch.Tensor, valid: torch.Tensor) -> None:
         """Draft the token at generation index ``gen_index [B]`` for rows where ``valid``."""
         idx = gen_index[:, None]
         z = dft.context(seq, s.order, gen_index.clamp(max=L), idx, idx)
         x_T, eps, w = _step_slots(s, idx, s.noise_draft)
-        out = head_chain(dft, s.schedule, z, w, x_T, eps, tau, p["final_step_noise"], s.clip)
+        out = head_chain(dft, s.schedule, z, w, x_T, eps, tau, p.final_step_noise, s.clip)
         rows = torch.nonzero(valid).squeeze(-1)
         gi = gen_index[rows]
         seq[rows, gi] = out.x0.reshape(b, d)[rows]
         q["mu1"][rows, gi] = out.mu1.reshape(b, d)[rows]
         q["s1"][rows, gi] = out.s1.reshape(b, d)[rows]
         q["slog"][rows, gi] = out.slog.reshape(b)[rows]
-        tally.draft_calls += valid.to(torch.int64)
+        tally.add_calls(None, draft=valid.to(torch.int64))
 
     def flat_q(gen_index: torch.Tensor) -> None:
         qi = gen_index.clamp(max=L - 1)
@@ -451,23 +320,23 @@ def _run_cspd(s: _Setup, pair: ModelPair, labels: torch.Tensor, sample_ids: torc
         m = counted.shape[1]
         cnt = counted.reshape(-1).cpu()
         rows = torch.arange(b)[:, None].expand(b, m).reshape(-1)[cnt]
-        tally.sum_log_ratio.index_add_(0, rows, ratio.log_ratio.cpu()[cnt])
-        tally.sum_log_factor.index_add_(0, rows, ratio.log_factor.cpu()[cnt])
-        tally.sum_final.index_add_(0, rows, ratio.final_term.cpu()[cnt])
-        tally.verified += counted.sum(1).cpu()
+        extras.sum_log_ratio.index_add_(0, rows, ratio.log_ratio.cpu()[cnt])
+        extras.sum_log_factor.index_add_(0, rows, ratio.log_factor.cpu()[cnt])
+        extras.sum_final.index_add_(0, rows, ratio.final_term.cpu()[cnt])
+        extras.verified += counted.sum(1).cpu()
 
     def add_resample(res, rows: torch.Tensor) -> None:
         ones = torch.ones_like(rows)
-        tally.resampled.index_add_(0, rows.cpu(), ones.cpu())
-        tally.tries.index_add_(0, rows.cpu(), res.tries.cpu())
-        tally.cap_hits.index_add_(0, rows.cpu(), res.cap_hit.to(torch.int64).cpu())
+        extras.resampled.index_add_(0, rows.cpu(), ones.cpu())
+        extras.tries.index_add_(0, rows.cpu(), res.tries.cpu())
+        extras.cap_hits.index_add_(0, rows.cpu(), res.cap_hit.to(torch.int64).cpu())
 
-    prefill_steps = [k for k in range(L) if k <= p["prefill_ratio"] * L]
+    prefill_steps = [k for k in range(L) if k <= p.prefill_ratio * L]
     for k in prefill_steps:
         target_step(k)
     n_pre = len(prefill_steps)
 
-    if p["window"] == "mar":
+    if p.window == "mar":
         verified = n_pre
         for k in range(n_pre, L):
             draft_step(torch.full((b,), k, dtype=torch.int64, device=dev), torch.ones(b, dtype=torch.bool, device=dev))
@@ -489,15 +358,10 @@ def _run_cspd(s: _Setup, pair: ModelPair, labels: torch.Tensor, sample_ids: torc
                 add_resample(res, rej // m)
                 first_rej = torch.where(acc.all(1), torch.full((b,), k + 1, device=dev), verified + (~acc).int().argmax(1))
                 dft.truncate(torch.minimum(dft.cached_tokens(), first_rej))
-            tally.spec_steps += 1
-            tally.draft_tokens += m
-            tally.accepted += acc.sum(1).cpu()
-            tally.per_position[:, : min(m, gamma)] += acc[:, :gamma].cpu().to(torch.int64)
-            tally.timeline_drafted[:, verified : k + 1] += 1  # the window is generation steps verified .. k
-            tally.timeline_accepted[:, verified : k + 1] += acc.to(torch.int64)
-            tally.target_calls += 1
+            tally.observe(None, gen_index, torch.ones_like(acc), acc)  # the window is generation steps verified .. k
+            tally.add_calls(None, target=1)
             verified = k + 1
-        return seq, tally.stats(L)
+        return seq, tally.to_stats(L, extra=extras.rows())
 
     # sequential (LLM-style) windows: per-row cursor n
     n = torch.full((b,), n_pre, dtype=torch.int64, device=dev)
@@ -538,42 +402,35 @@ def _run_cspd(s: _Setup, pair: ModelPair, labels: torch.Tensor, sample_ids: torc
         if rows_b.numel():
             seq[rows_b, n[rows_b] + gamma] = pch.x0.reshape(b, gamma + 1, d)[rows_b, gamma].to(seq.dtype)
         emitted = torch.where(rejected.any(1) | bonus, a + 1, a) * active
-        tally.spec_steps += active.cpu().to(torch.int64)
-        tally.draft_tokens += m_valid.cpu()
-        tally.accepted += a.cpu() * active.cpu()
-        tally.per_position += (slot[:, :gamma] < a[:, None]).cpu().to(torch.int64) * active[:, None].cpu()
-        # window slot j is generation step n + j (clamped columns are masked: j >= m_valid there)
-        window_steps = (n[:, None] + slot[:, :gamma]).clamp(max=L - 1)
-        tally.timeline_drafted.scatter_add_(1, window_steps, (slot[:, :gamma] < m_valid[:, None]).to(torch.int64))
-        tally.timeline_accepted.scatter_add_(1, window_steps, (slot[:, :gamma] < (a * active)[:, None]).to(torch.int64))
-        tally.target_calls += active.cpu().to(torch.int64)
+        # window slot j is generation step n + j; slots at or past m_valid were not drafted
+        rows = torch.nonzero(active).squeeze(-1)
+        window_steps = n[rows, None] + slot[:, :gamma]
+        tally.observe(rows, window_steps, (slot[:, :gamma] < m_valid[rows, None]), (slot[:, :gamma] < a[rows, None]))
+        tally.add_calls(rows, target=1)
         # caches: accepted drafts stay valid as content; everything after them is stale
         tgt.truncate(torch.minimum(tgt.cached_tokens(), n + a))
         dft.truncate(torch.minimum(dft.cached_tokens(), n + a))
         n = n + emitted
-    return seq, tally.stats(L)
+    return seq, tally.to_stats(L, extra=extras.rows())
 
 
 @torch.no_grad()
-def run_batch(
-    method: str, params: dict[str, Any], pair: ModelPair, labels: torch.Tensor, sample_ids: torch.Tensor, seed: int
-) -> GenerationResult:
-    params = resolve_params(method, params)
-    if method == "cspd" and pair.draft is None:
-        raise ValueError("method 'cspd' needs a draft model; the arm's 'draft' is empty")
-    start = time.perf_counter()
+def run_batch(method: str | Method, params: Any, pair: ModelPair, labels: torch.Tensor, sample_ids: torch.Tensor,
+              seed: int) -> GenerationResult:
+    """Generate one batch; images uint8 ``[B, 8, 8]`` on CPU. ``method``/``params`` as names and a
+    mapping, or as the family table's entry and typed parameters."""
+    method, params = resolve(FAMILY, method, params)
+    if isinstance(params, CSpD) and pair.draft is None:
+        raise ValueError(f"method {method.name!r} needs a draft model; the arm's 'draft' is empty")
     dev = pair.device
     labels = labels.to(dev, torch.int64)
     sample_ids = sample_ids.to(dev, torch.int64)
-    s = _setup(method, params, pair, sample_ids, seed)
-    if method == "target_only":
-        seq, stats = _run_target_only(s, pair, labels)
-    else:
+    s = _setup(params, pair, sample_ids, seed)
+    if isinstance(params, CSpD):
         seq, stats = _run_cspd(s, pair, labels, sample_ids, seed)
-    images = _images(seq, s.order)
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
-    return GenerationResult(images=images, stats=stats, batch_wall_time_s=time.perf_counter() - start)
+    else:
+        seq, stats = _run_target_only(s, pair, labels)
+    return GenerationResult(images=_images(seq, s.order), stats=stats)
 
 
-__all__ = ["METHODS", "MODES", "resolve_params", "run_batch", "ChainNoise", "ModelSide"]
+__all__ = ["run_batch", "ChainNoise", "ModelSide"]

@@ -7,34 +7,15 @@ every caller goes through :func:`process_logits`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
+
+from specray.methods.discrete.params import Sampling
 
 MIN_TEMPERATURE = 1e-5
 
 
-@dataclass(frozen=True)
-class SamplingParams:
-    cfg_scale: float = 1.0
-    temperature: float = 1.0
-    top_k: int = 0  # 0 = off
-    top_p: float = 1.0  # 1.0 = off
-
-    def __post_init__(self) -> None:
-        if not self.cfg_scale >= 0.0:
-            raise ValueError(f"cfg_scale must be >= 0, got {self.cfg_scale}")
-        if not self.temperature >= 0.0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if int(self.top_k) != self.top_k or self.top_k < 0:
-            raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1] (1 = off), got {self.top_p}")
-
-    @property
-    def uses_uncond(self) -> bool:
-        """Whether the unconditional stream is needed (cfg_scale != 1)."""
-        return self.cfg_scale != 1.0
+# The sampler's settings are the discrete methods' typed parameters (validated there, once).
+SamplingParams = Sampling
 
 
 def cfg_combine(cond_logits: torch.Tensor, uncond_logits: torch.Tensor | None, cfg_scale: float) -> torch.Tensor:

@@ -56,7 +56,13 @@ from dataclasses import dataclass
 
 import torch
 
-from specray.methods.lantern import LANTERN_MODES, relaxed_target_mass, relaxed_target_mass_all_tokens
+from specray.methods.discrete import params as method_params
+from specray.methods.discrete.lantern import (
+    LANTERN_MODES,
+    neighbours_from_embeddings,
+    relaxed_target_mass,
+    relaxed_target_mass_all_tokens,
+)
 from specray.rng import sample_categorical
 
 RULES = ("sd", "block", "lantern", "cool_sd", "uniform_rsd")
@@ -403,3 +409,45 @@ def verify(rule: str, P: torch.Tensor, Q: torch.Tensor, drafts: torch.Tensor,
         params: rule parameters (see :class:`RuleParams`).
     """
     return verify_with_details(rule, P, Q, drafts, u_accept, u_residual, params)[0]
+
+
+# --------------------------------------------------------------------------------------------
+# what a method's parameters make of the rules (the family table's rule factory)
+
+Verifier = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], VerifyOutput]
+
+
+def rule_params_for(params: method_params.Speculative, vocab_size: int | None = None,
+                    embeddings: torch.Tensor | None = None) -> RuleParams:
+    """:class:`RuleParams` of a speculative method (LANTERN's neighbour table built from ``embeddings``)."""
+    if isinstance(params, method_params.Lantern):
+        if vocab_size is not None and not params.k <= vocab_size - 1:
+            raise ValueError(f"parameter 'k' must be in [0, {vocab_size - 1}] (vocabulary {vocab_size}), got {params.k}")
+        rule_params = RuleParams(k=params.k, lam=params.lam, delta=params.delta, mode=params.mode,
+                                 residual=params.residual, forbid_zero_target_mass=params.forbid_zero_target_mass)
+        if embeddings is not None and params.k > 0:
+            rule_params.neighbours = neighbours_from_embeddings(embeddings.float(), params.k,
+                                                                normalize=params.normalize_embeddings)
+        return rule_params
+    if isinstance(params, method_params.CoolSD):
+        mu = params.mu
+        if mu is None:  # the mean-normalised mu of the full round, fixed for shortened last rounds
+            positions = torch.arange(1, params.gamma + 1, dtype=torch.float64)
+            mu = math.log(torch.exp(-params.nu * positions).mean().item())
+        return RuleParams(delta=params.delta, nu=params.nu, mu=mu)
+    if isinstance(params, method_params.UniformRSD):
+        return RuleParams(delta=params.delta)
+    return RuleParams()
+
+
+def verifier_for(params: method_params.Speculative, pair) -> Verifier:
+    """The built-in rules' factory: ``verify(P, Q, drafts, u_accept, u_residual)`` for one run on ``pair``."""
+    rule_params = rule_params_for(params, pair.info.get("vocab_size"), pair.info.get("token_embeddings"))
+    if rule_params.neighbours is not None:
+        rule_params.neighbours = rule_params.neighbours.to(pair.device)
+    validate_params(params.rule, rule_params)
+
+    def verify_round(P, Q, drafts, u_accept, u_residual) -> VerifyOutput:
+        return verify(params.rule, P, Q, drafts, u_accept, u_residual, rule_params)
+
+    return verify_round

@@ -1,0 +1,217 @@
+"""The family table: the one extension contract of specray.
+
+A *family* is a kind of generator (discrete-token AR, continuous-token AR, diffusion) with one
+decoding loop, one way to load a target/draft pair and one trainer for its built-in presets. A
+*method* is an entry of its family: a typed parameter class (``methods/<family>/params.py``,
+validated once when the job is loaded) and, where the family's loop asks for one, the
+verification rule it plugs in.
+
+Everything here is importable without torch: the spec validates jobs from this table on a
+machine that has no torch. The torch-side parts (loop, loader, trainer, rules) are reached
+through small functions that import them on first use, inside the actor or the trainer.
+
+To add a method, a family or a checkpoint format, read ``docs/extending.md``: it is an entry
+here plus the files the entry names. Out-of-tree code (tests, plugins) adds entries with
+:func:`register_family` and :func:`register_method`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from specray.methods.continuous import params as continuous_params
+from specray.methods.diffusion import params as diffusion_params
+from specray.methods.discrete import params as discrete_params
+from specray.methods.params import MethodParams
+
+# A zero-argument function that imports and returns a torch-side object (a loop, a loader...).
+Lazy = Callable[[], Any]
+
+
+@dataclass(frozen=True)
+class Method:
+    """One decoding method of a family.
+
+    ``params``: its parameter class. ``rule``: for families whose loop plugs in a verification
+    rule (the discrete family), a function returning the rule factory
+    ``factory(params, pair) -> verify(P, Q, drafts, u_accept, u_residual) -> VerifyOutput``.
+    """
+
+    name: str
+    params: type[MethodParams]
+    rule: Lazy | None = None
+    summary: str = ""
+
+
+@dataclass(frozen=True)
+class Family:
+    """A model family: its methods, and where its loop, model loader and trainer live.
+
+    ``loop()`` returns ``run_batch(method, params, pair, labels, sample_ids, seed) ->
+    GenerationResult``; ``load_pair()`` returns ``load_pair(target, draft, device) -> ModelPair``;
+    ``trainer()`` returns ``train_preset(name, out_dir, seed) -> Path``.
+    """
+
+    name: str
+    summary: str
+    methods: Mapping[str, Method]
+    loop: Lazy
+    load_pair: Lazy
+    trainer: Lazy
+    metadata: Mapping[str, Any] = field(default_factory=dict)
+
+    def method(self, name: str) -> Method:
+        try:
+            return self.methods[name]
+        except KeyError:
+            raise KeyError(f"unknown method {name!r} for family {self.name!r}; "
+                           f"allowed: {', '.join(self.methods)}") from None
+
+    def parse_params(self, method: str, raw: Mapping[str, Any] | None) -> MethodParams:
+        """``method``'s validated parameters (raises ParamError naming the bad field)."""
+        return self.method(method).params.parse(raw)
+
+
+def _methods(*entries: Method) -> dict[str, Method]:
+    return {entry.name: entry for entry in entries}
+
+
+# ---- the torch-side parts, each imported on first use ---------------------------------------
+
+
+def _discrete_loop():
+    from specray.methods.discrete.loop import run_batch
+    return run_batch
+
+
+def _discrete_rule():
+    from specray.methods.discrete.rules import verifier_for
+    return verifier_for
+
+
+def _discrete_models():
+    from specray.models.discrete_ar import load_pair
+    return load_pair
+
+
+def _discrete_trainer():
+    from specray.models.discrete_train import train_preset
+    return train_preset
+
+
+def _continuous_loop():
+    from specray.methods.continuous.loop import run_batch
+    return run_batch
+
+
+def _continuous_models():
+    from specray.models.continuous_ar import load_pair
+    return load_pair
+
+
+def _continuous_trainer():
+    from specray.models.continuous_train import train_preset
+    return train_preset
+
+
+def _diffusion_loop():
+    from specray.methods.diffusion.loop import run_batch
+    return run_batch
+
+
+def _diffusion_models():
+    from specray.models.diffusion import load_pair
+    return load_pair
+
+
+def _diffusion_trainer():
+    from specray.models.diffusion_train import train_preset
+    return train_preset
+
+
+# ---- the table -------------------------------------------------------------------------------
+
+_dp, _cp, _fp = discrete_params, continuous_params, diffusion_params
+
+FAMILIES: dict[str, Family] = {
+    "discrete_ar": Family(
+        name="discrete_ar",
+        summary="LlamaGen-style GPT over discrete image tokens (spec discrete_sd.md)",
+        methods=_methods(
+            Method("target_only", _dp.TargetOnly, summary="plain sampling from the target"),
+            Method("sd", _dp.SD, _discrete_rule, "speculative sampling (exact)"),
+            Method("block", _dp.Block, _discrete_rule, "block verification (exact)"),
+            Method("lantern", _dp.Lantern, _discrete_rule, "LANTERN / LANTERN++ relaxed acceptance"),
+            Method("cool_sd", _dp.CoolSD, _discrete_rule, "COOL-SD annealed relaxation, G* residual"),
+            Method("uniform_rsd", _dp.UniformRSD, _discrete_rule, "COOL-SD with a constant multiplier"),
+        ),
+        loop=_discrete_loop, load_pair=_discrete_models, trainer=_discrete_trainer,
+    ),
+    "continuous_ar": Family(
+        name="continuous_ar",
+        summary="MAR-style AR transformer over continuous tokens with a diffusion head (spec cspd.md)",
+        methods=_methods(
+            Method("target_only", _cp.TargetOnly, summary="one token per step from the target's head"),
+            Method("cspd", _cp.CSpD, summary="continuous speculative decoding"),
+        ),
+        loop=_continuous_loop, load_pair=_continuous_models, trainer=_continuous_trainer,
+    ),
+    "diffusion": Family(
+        name="diffusion",
+        summary="DDPM denoisers (diffusers UNet2DModel) (spec spec_diffusion.md)",
+        methods=_methods(
+            Method("target_only", _fp.TargetOnly, summary="ancestral sampling, one target call per step"),
+            Method("spec_token", _fp.SpecToken, summary="speculative sampling, token verification"),
+            Method("spec_block", _fp.SpecBlock, summary="speculative sampling, block verification"),
+        ),
+        loop=_diffusion_loop, load_pair=_diffusion_models, trainer=_diffusion_trainer,
+    ),
+}
+
+
+def family(name: str) -> Family:
+    """The family called ``name`` (KeyError naming the allowed families)."""
+    try:
+        return FAMILIES[name]
+    except KeyError:
+        raise KeyError(f"unknown family {name!r}; allowed: {', '.join(sorted(FAMILIES))}") from None
+
+
+def load_pair(family_name: str, target: str, draft: str | None, device: Any):
+    """``family_name``'s target/draft pair on ``device`` (a :class:`~specray.models.pair.ModelPair`)."""
+    return family(family_name).load_pair()(target, draft, device)
+
+
+def resolve(family_name: str, method: str | Method,
+            params: MethodParams | Mapping[str, Any] | None) -> tuple[Method, MethodParams]:
+    """A method entry and typed parameters from names and a mapping (already-typed values pass through)."""
+    entry = family(family_name).method(method) if isinstance(method, str) else method
+    if not isinstance(params, MethodParams):
+        params = entry.params.parse(params)
+    elif not isinstance(params, entry.params):
+        raise TypeError(f"method {entry.name!r} takes {entry.params.__name__}, got {type(params).__name__}")
+    return entry, params
+
+
+def register_family(entry: Family) -> Family:
+    """Add (or replace) a family. Ray workers need the same call: see ``docs/extending.md``."""
+    FAMILIES[entry.name] = entry
+    return entry
+
+
+def unregister_family(name: str) -> None:
+    FAMILIES.pop(name, None)
+
+
+def register_method(family_name: str, method: Method) -> Method:
+    """Add (or replace) a method of an existing family."""
+    current = family(family_name)
+    FAMILIES[family_name] = replace(current, methods={**current.methods, method.name: method})
+    return method
+
+
+def unregister_method(family_name: str, name: str) -> None:
+    current = family(family_name)
+    FAMILIES[family_name] = replace(current, methods={k: v for k, v in current.methods.items() if k != name})

@@ -1,0 +1,190 @@
+"""What the decoding loops of every family share: the per-sample statistics record, the batch
+result, and the per-round tally of drafted and accepted tokens.
+
+Field names follow the design's data section (vLLM's speculative-decoding metric names where one
+exists). A "token" is whatever the family emits one of per target step: an image token, a
+continuous token, a denoising step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+
+@dataclass
+class SampleStats:
+    """What one sample cost and how much of its draft was accepted.
+
+    ``mean_acceptance_length`` is tokens (or denoising steps) emitted per target
+    call, the bonus/correction included; ``target_only`` has 1.0.
+    ``accepted_per_position[i]`` counts rounds in which draft position ``i`` was
+    accepted (length gamma; empty for non-speculative methods).
+    ``extra`` holds family-specific numbers (resampling tries, cap hits, states
+    evaluated...); it is stored as a JSON column.
+    """
+
+    num_tokens: int
+    num_spec_steps: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_draft_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+    target_calls: int = 0
+    draft_calls: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def draft_acceptance_rate(self) -> float:
+        if self.num_draft_tokens == 0:
+            return float("nan")
+        return self.num_accepted_draft_tokens / self.num_draft_tokens
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        if self.target_calls == 0:
+            return float("nan")
+        return self.num_tokens / self.target_calls
+
+    def as_row(self) -> dict[str, Any]:
+        row = asdict(self)
+        row["draft_acceptance_rate"] = self.draft_acceptance_rate
+        row["mean_acceptance_length"] = self.mean_acceptance_length
+        return row
+
+
+@dataclass
+class GenerationResult:
+    """Images of one batch plus one statistics record per row.
+
+    ``images`` is uint8, ``[B, H, W]`` (grey) or ``[B, H, W, 3]`` (RGB), on CPU. The loops do not
+    time themselves: the caller (the actor, a benchmark) measures the batch around the call.
+    """
+
+    images: torch.Tensor
+    stats: list[SampleStats]
+
+
+class RoundTally:
+    """Per-row counters of a batch's speculative rounds, on the run's device.
+
+    The per-sample analogue of vLLM's ``SpecDecodingStats.observe_draft``: each round reports, for
+    the rows that took part, which draft slots were drafted and which were accepted, and at which
+    token index (``position``) each slot sits. Chain rules accept a prefix, block verification
+    the prefix up to its last passing slot, CSpD's windows any subset: all are masks here.
+
+    Counters are moved to the host once, in :meth:`to_stats`. Rounds in which every row of the
+    batch takes part (the common case) are kept as one small stacked tensor each and summed at
+    the end, so a round costs two index_adds (the timeline) and one stack.
+    """
+
+    def __init__(self, batch: int, gamma: int, num_positions: int, device: torch.device | str = "cpu") -> None:
+        zeros = lambda *shape: torch.zeros(*shape, dtype=torch.int64, device=device)  # noqa: E731
+        self.batch, self.gamma, self.num_positions = batch, gamma, num_positions
+        self.rounds, self.drafted, self.accepted = zeros(batch), zeros(batch), zeros(batch)
+        self.per_position = zeros(batch, gamma)
+        self.target_calls, self.draft_calls = zeros(batch), zeros(batch)
+        # Padded by gamma + 1 columns so that a round's padding slots (masked out) need no clamp.
+        self._width = num_positions + gamma + 1
+        self.timeline_drafted, self.timeline_accepted = zeros(batch, self._width), zeros(batch, self._width)
+        self._slots = torch.arange(max(gamma, 1) + 1, device=device)
+        self._all_rows = torch.arange(batch, device=device)
+        self._full_rounds: list[torch.Tensor] = []  # [2, batch] (drafted, accepted) counts per full round
+
+    def slots(self, n: int) -> torch.Tensor:
+        """``arange(n)`` on the tally's device (n <= gamma + 1), for building masks from counts."""
+        return self._slots[:n] if n <= self._slots.numel() else torch.arange(n, device=self._slots.device)
+
+    def observe(self, rows: torch.Tensor | None, positions: torch.Tensor, drafted: torch.Tensor,
+                accepted: torch.Tensor) -> None:
+        """One round of batch rows ``rows [r]`` (None: every row, in order).
+
+        ``positions [r, G]``: the token index of each draft slot; ``drafted``/``accepted`` ``[r, G]``:
+        bool masks (accepted implies drafted). Slots past the row's draft are not drafted.
+        """
+        drafted_n = drafted.sum(1)
+        accepted_n = accepted.sum(1)
+        g = min(drafted.shape[1], self.gamma)
+        if rows is None:
+            self.rounds += 1
+            self.drafted += drafted_n
+            self.accepted += accepted_n
+            self.per_position[:, :g] += accepted[:, :g].to(torch.int64)
+        else:
+            self.rounds[rows] += 1
+            self.drafted[rows] += drafted_n
+            self.accepted[rows] += accepted_n
+            self.per_position[rows, :g] += accepted[:, :g].to(torch.int64)
+        self._add_timeline(rows, positions, drafted, accepted)
+
+    def observe_prefix(self, rows: torch.Tensor | None, positions: torch.Tensor, n_drafted: torch.Tensor,
+                       n_accepted: torch.Tensor) -> None:
+        """:meth:`observe` for rounds that draft and accept a prefix: counts ``[r]`` instead of masks."""
+        slot = self.slots(positions.shape[1])[None, :]
+        if rows is None:  # the common full round: summed once in to_stats
+            self._full_rounds.append(torch.stack([n_drafted, n_accepted]))
+            self._add_timeline(None, positions, slot < n_drafted[:, None], slot < n_accepted[:, None])
+            return
+        self.observe(rows, positions, slot < n_drafted[:, None], slot < n_accepted[:, None])
+
+    def _add_timeline(self, rows: torch.Tensor | None, positions: torch.Tensor, drafted: torch.Tensor,
+                      accepted: torch.Tensor) -> None:
+        if rows is None:
+            rows = self._all_rows
+        flat = (rows[:, None] * self._width + positions).flatten()
+        self.timeline_drafted.view(-1).index_add_(0, flat, drafted.flatten().to(torch.int64))
+        self.timeline_accepted.view(-1).index_add_(0, flat, accepted.flatten().to(torch.int64))
+
+    def add_calls(self, rows: torch.Tensor | None, target: torch.Tensor | int = 0,
+                  draft: torch.Tensor | int = 0) -> None:
+        """Target and draft network calls that rows ``rows`` (None: all) took part in."""
+        if rows is None:
+            self.target_calls += target
+            self.draft_calls += draft
+        else:
+            self.target_calls[rows] += target
+            self.draft_calls[rows] += draft
+
+    def flush(self) -> None:
+        """Fold the full rounds kept aside into the counters (to_stats does it too)."""
+        if not self._full_rounds:
+            return
+        per_round = torch.stack(self._full_rounds)  # [rounds, (drafted, accepted), batch]
+        self._full_rounds = []
+        self.rounds += per_round.shape[0]
+        self.drafted += per_round[:, 0].sum(0)
+        self.accepted += per_round[:, 1].sum(0)
+        slot = self.slots(self.gamma)[None, :, None]
+        self.per_position += (slot < per_round[:, 1, None, :]).sum(0).T
+
+    def to_stats(self, num_tokens: int, extra: list[dict[str, Any]] | None = None,
+                 timeline: bool = True) -> list[SampleStats]:
+        """One :class:`SampleStats` per row (one host transfer per counter).
+
+        ``extra[b]`` is merged into row b's ``extra``; ``timeline`` adds
+        ``extra["acceptance_timeline"]`` (drafted and accepted per token index, the first
+        ``num_positions`` columns).
+        """
+        self.flush()
+        host = {name: getattr(self, name).cpu() for name in
+                ("rounds", "drafted", "accepted", "per_position", "target_calls", "draft_calls")}
+        if timeline:
+            drafted = self.timeline_drafted[:, :self.num_positions].tolist()
+            accepted = self.timeline_accepted[:, :self.num_positions].tolist()
+        stats = []
+        for b in range(self.batch):
+            row_extra = dict(extra[b]) if extra is not None else {}
+            if timeline:
+                row_extra["acceptance_timeline"] = {"accepted": accepted[b], "drafted": drafted[b]}
+            stats.append(SampleStats(
+                num_tokens=num_tokens,
+                num_spec_steps=int(host["rounds"][b]),
+                num_draft_tokens=int(host["drafted"][b]),
+                num_accepted_draft_tokens=int(host["accepted"][b]),
+                accepted_per_position=[int(x) for x in host["per_position"][b]],
+                target_calls=int(host["target_calls"][b]),
+                draft_calls=int(host["draft_calls"][b]),
+                extra=row_extra,
+            ))
+        return stats

@@ -1,0 +1,1 @@
+"""continuous family decoding methods: params.py (typed parameters), rules.py (verification), loop.py."""

@@ -1,0 +1,1 @@
+"""discrete family decoding methods: params.py (typed parameters), rules.py (verification), loop.py."""

@@ -1,0 +1,378 @@
+"""Decoding loops of the discrete family: target-only, and draft -> verify -> commit (spec discrete_sd §5).
+
+Rows are ragged (spec §5.3): every sample keeps its own number of committed
+image tokens ``n_b``; caches are written at per-row positions and rows that are
+done drop out of the calls (compaction by index, the caches stay in place).
+
+One round for the active rows:
+
+1. DRAFT: ``g_b = min(gamma, N - 1 - n_b)`` drafts per row (never past the last
+   image token), the draft running its own cond and uncond streams; the first
+   draft step re-feeds sequence positions ``n_b - 1, n_b`` so it catches up
+   whatever the previous round committed.
+2. VERIFY: one target call on ``[last committed token, d_1 .. d_gamma]`` for both
+   CFG halves (padded past ``g_b``; those outputs are ignored).
+3. DECIDE: the method's rule (:func:`specray.methods.discrete.rules.verify`) on the first ``g_b``
+   positions (rows grouped by ``g_b``; a row with ``g_b = 0`` samples its last
+   token straight from the target distribution).
+4. COMMIT: ``n_b += n_acc + 1``; caches cropped to the committed length.
+
+Randomness (``specray.rng``, keyed per sample, never by batch composition):
+
+- target_only, and the first image token of every method: stream ``"target"``,
+  position = image-token index (so all arms share image token 0 sample by sample);
+- drafts: stream ``"draft"``, position = image-token index drafted, step = round;
+- acceptance uniforms: stream ``"accept"``, position = image-token index, step = round;
+- correction / bonus: stream ``"residual"``, position = first index of the round, step = round.
+
+Keying by round as well as position matters for block verification: its decision
+depends on drafts after the accepted prefix, so reusing their uniforms when the
+same positions are drafted again in the next round would correlate the rounds.
+
+COOL-SD in a row's shortened last round (``g_b < gamma``) uses the first ``g_b``
+multipliers of the full-gamma schedule (mu is fixed from gamma when left None).
+
+Performance (the models are tiny, so per-op dispatch dominates; none of this changes a bit
+of the output): the uniforms of a run come from a few large ``rng.uniform`` calls
+(:class:`RoundUniforms`, target_only's in one call) instead of one call per step and stream;
+while every row is active (``full``) the caches are read without a gather copy and rows are
+updated in place; the common round (every row drafts gamma tokens) skips the per-step live-row
+indexing and verifies in one group; counters stay on the device (:class:`~specray.methods.common.RoundTally`) and are moved
+once; the host syncs are two per round (draft lengths, and the active rows only once some are done).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from specray import rng
+from specray.families import Method, resolve
+from specray.methods.common import GenerationResult, RoundTally, SampleStats
+from specray.methods.discrete.params import Sampling, Speculative
+from specray.methods.discrete.processing import process_with
+from specray.methods.discrete.rules import Verifier
+from specray.models.discrete_ar import DiscreteGPT
+from specray.models.pair import ModelPair
+from specray.models.tokenizers import to_images
+
+FAMILY = "discrete_ar"
+
+
+# ---- guided model streams ------------------------------------------------------------------------
+
+
+class GuidedModel:
+    """A GPT plus its KV cache for ``batch`` samples, returning processed distributions.
+
+    With CFG the cache holds ``2 * batch`` rows: sample ``b``'s cond stream in row ``b``
+    and its uncond stream (null class) in row ``batch + b``; both always move together.
+    """
+
+    def __init__(self, model: DiscreteGPT, batch: int, sampling: Sampling, max_len: int) -> None:
+        self.model = model
+        self.batch = batch
+        self.sampling = sampling
+        self.guided = sampling.uses_uncond
+        self.cache = model.new_cache(2 * batch if self.guided else batch, max_len)
+        self.calls = 0
+
+    def probs(self, idx: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, *,
+              all_rows: bool = False, prefix: bool | None = None) -> torch.Tensor:
+        """Processed distributions ``[r, n, V]`` for samples ``idx`` fed ``tokens`` at sequence ``positions``.
+
+        A token at sequence position 0 is the class label; the uncond stream gets the null class there.
+        Hints that only skip work (results are identical): ``all_rows`` says ``idx`` is
+        ``arange(batch)`` (the caches are then read without a gather copy); ``prefix=False`` says no
+        position is 0 (the uncond tokens are then the cond tokens).
+        """
+        self.calls += 1
+        if not self.guided:
+            logits = self.model.forward_step(tokens, positions, self.cache, rows=None if all_rows else idx,
+                                             prefix=prefix)
+            return process_with(self.sampling, logits, None)
+        if prefix is False:
+            uncond_tokens = tokens
+        else:
+            null = torch.full_like(tokens, self.model.null_class)
+            uncond_tokens = torch.where(positions == 0, null, tokens)
+        logits = self.model.forward_step(
+            torch.cat([tokens, uncond_tokens]), torch.cat([positions, positions]), self.cache,
+            rows=None if all_rows else torch.cat([idx, idx + self.batch]), prefix=prefix,
+        )
+        r = idx.shape[0]
+        return process_with(self.sampling, logits[:r], logits[r:])
+
+    def crop(self, idx: torch.Tensor, lengths: torch.Tensor, *, all_rows: bool = False) -> None:
+        if all_rows:  # idx is arange(batch): one copy instead of indexed writes
+            if self.guided:  # both CFG halves at once: a broadcast copy into the [2, batch] view
+                self.cache.lengths.view(2, self.batch).copy_(lengths)
+            else:
+                self.cache.crop(lengths)
+            return
+        self.cache.crop(lengths, idx)
+        if self.guided:
+            self.cache.crop(lengths, idx + self.batch)
+
+
+class RoundUniforms:
+    """The speculative loop's uniforms, ``rng.uniform`` of streams "draft", "accept", "residual".
+
+    Every active row's round index equals the loop iteration (all rows start together and a row
+    leaves only when done), so the keys of a round are (sample, position, iteration). They are
+    computed for all samples and positions, a chunk of rounds at a time: the same values as one
+    ``rng.uniform`` call per key (the hash is elementwise), without a call per round and stream.
+    """
+
+    STREAMS = ("draft", "accept", "residual")
+
+    def __init__(self, seed: int, sample_ids: torch.Tensor, num_positions: int) -> None:
+        self.seed = seed
+        self.sample_ids = sample_ids
+        self.positions = torch.arange(num_positions, device=sample_ids.device)
+        # Per-call overhead dominates small batches, element cost large ones.
+        self.chunk = max(8, min(64, 256 // max(1, sample_ids.shape[0])))
+        self.chunks: list[torch.Tensor] = []  # [B, positions, chunk, 3] float64
+
+    def round(self, step: int, idx: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Uniforms ``[r, k, 3]`` of rows ``idx`` at ``positions [r, k]`` (each < ``num_positions``) in round ``step``."""
+        while len(self.chunks) <= step // self.chunk:
+            start = len(self.chunks) * self.chunk
+            steps = torch.arange(start, start + self.chunk, device=self.positions.device)
+            self.chunks.append(torch.stack([
+                rng.uniform(self.seed, self.sample_ids[:, None, None], stream,
+                            position=self.positions[None, :, None], step=steps[None, None, :])
+                for stream in self.STREAMS
+            ], dim=-1))
+        slab = self.chunks[step // self.chunk][:, :, step % self.chunk]  # [B, positions, 3]
+        rows = slab if idx.shape[0] == slab.shape[0] else slab[idx]  # full batch: idx is arange
+        return torch.gather(rows, 1, positions[:, :, None].expand(-1, -1, 3))
+
+
+def sequence_tokens(labels: torch.Tensor, image_tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Token fed at each sequence position: the label at 0, image token ``p - 1`` at ``p >= 1``.
+
+    ``labels [r]``, ``image_tokens [r, >= max(positions)]``, ``positions [r, n]``.
+    """
+    image = torch.gather(image_tokens, 1, (positions - 1).clamp(min=0))
+    return torch.where(positions == 0, labels[:, None].expand_as(positions), image)
+
+
+# ---- loops -------------------------------------------------------------------------------------
+
+
+def _target_only(pair: ModelPair, sampling: Sampling, labels: torch.Tensor, sample_ids: torch.Tensor,
+                 seed: int) -> tuple[torch.Tensor, RoundTally]:
+    target: DiscreteGPT = pair.target
+    num_tokens = target.config.num_image_tokens
+    batch = labels.shape[0]
+    device = labels.device
+    stream = GuidedModel(target, batch, sampling, target.max_seq_len)
+    idx = torch.arange(batch, device=device)
+    tokens = torch.zeros(batch, num_tokens, dtype=torch.int64, device=device)
+    # All of the run's uniforms in one call: the same keys as rng.categorical(.., position=t) per step.
+    u = rng.uniform(seed, sample_ids[:, None], "target", position=torch.arange(num_tokens, device=device)[None, :])
+    fed = labels[:, None]
+    for t in range(num_tokens):
+        positions = torch.full((batch, 1), t, dtype=torch.int64, device=device)
+        probs = stream.probs(idx, fed, positions, all_rows=True, prefix=t == 0)[:, 0]
+        tokens[:, t] = rng.sample_categorical(probs, u[:, t])
+        fed = tokens[:, t : t + 1]
+    tally = RoundTally(batch, 0, num_tokens)
+    tally.add_calls(None, target=num_tokens)
+    return tokens, tally
+
+
+@dataclass
+class _Round:
+    """The rows that take part in one round, and where each of them stands.
+
+    ``full``: every row of the batch takes part (``idx`` is ``arange(batch)``; tensors are the
+    batch's own, updated in place). ``lengths``: the rows' draft lengths g_b on the host, the
+    one sync a round needs to choose its control flow.
+    """
+
+    idx: torch.Tensor
+    full: bool
+    n: torch.Tensor  # committed image tokens per row
+    n_drafts: torch.Tensor  # g_b = min(gamma, N - 1 - n_b)
+    lengths: list[int]
+    labels: torch.Tensor
+    tokens: torch.Tensor  # the rows' token buffer (a copy unless full)
+    positions: torch.Tensor  # [r, gamma + 1]: image-token index of each draft = sequence position fed in verify
+
+    @property
+    def fed_positions(self) -> torch.Tensor:
+        """Image-token index of the token fed at each of ``positions``."""
+        return self.positions - 1
+
+
+def _next_round(committed: torch.Tensor, num_tokens: int, gamma: int, labels: torch.Tensor, tokens: torch.Tensor,
+                all_rows: torch.Tensor, steps: torch.Tensor) -> _Round | None:
+    n_drafts = (num_tokens - 1 - committed).clamp(max=gamma)  # negative once a row is done
+    lengths = [g for g in n_drafts.tolist() if g >= 0]
+    if not lengths:
+        return None
+    if len(lengths) == committed.shape[0]:
+        return _Round(all_rows, True, committed, n_drafts, lengths, labels, tokens, committed[:, None] + steps)
+    idx = torch.nonzero(n_drafts >= 0).squeeze(1)
+    n = committed[idx]
+    return _Round(idx, False, n, n_drafts[idx], lengths, labels[idx], tokens[idx], n[:, None] + steps)
+
+
+def _draft(stream: GuidedModel, rnd: _Round, u_draft: torch.Tensor, first_round: bool, gamma: int,
+           vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """1. DRAFT: ``g_b`` tokens per row (rows with ``g_b <= i`` sit out step i); drafts and their laws Q."""
+    r = rnd.idx.shape[0]
+    device = rnd.idx.device
+    drafts = torch.zeros(r, gamma, dtype=torch.int64, device=device)
+    Q = torch.zeros(r, gamma, vocab, dtype=torch.float32, device=device)
+    g_min = min(rnd.lengths)
+    for i in range(max(rnd.lengths)):
+        every = i < g_min  # while every row drafts, no live-row indexing
+        live = None if every else torch.nonzero(rnd.n_drafts > i).squeeze(1)
+        if i == 0:
+            # Catch up what the previous round committed: feed sequence positions [n - 1, n]. From
+            # round 1 on both hold image tokens (n >= 2), so there is no class label to place.
+            positions = rnd.fed_positions[:, :2] if every else rnd.fed_positions[live, :2]
+            row_tokens = rnd.tokens if every else rnd.tokens[live]
+            fed = (sequence_tokens(rnd.labels if every else rnd.labels[live], row_tokens, positions)
+                   if first_round else row_tokens.gather(1, positions - 1))
+        else:
+            positions = rnd.positions[:, i : i + 1] if every else rnd.positions[live, i : i + 1]
+            fed = drafts[:, i - 1 : i] if every else drafts[live, i - 1 : i]
+        q = stream.probs(rnd.idx if every else rnd.idx[live], fed, positions,
+                         all_rows=rnd.full and every, prefix=first_round and i == 0)[:, -1]
+        if every:
+            Q[:, i] = q
+            drafts[:, i] = rng.sample_categorical(q, u_draft[:, i])
+        else:
+            Q[live, i] = q
+            drafts[live, i] = rng.sample_categorical(q, u_draft[live, i])
+    return drafts, Q
+
+
+def _target_probs(stream: GuidedModel, rnd: _Round, drafts: torch.Tensor, gamma: int) -> torch.Tensor:
+    """2. VERIFY: one target call on ``[last committed token, d_1 .. d_gamma]`` at positions ``n .. n + gamma``.
+
+    The drafts are written into the token buffer first: positions past the committed length are
+    scratch (never read before a later round commits them), so accepted drafts need no copy.
+    """
+    rnd.tokens.scatter_(1, rnd.positions[:, :gamma], drafts)
+    return stream.probs(rnd.idx, rnd.tokens.gather(1, rnd.fed_positions), rnd.positions, all_rows=rnd.full,
+                        prefix=False)
+
+
+def _decide(verifier: Verifier, rnd: _Round, P: torch.Tensor, Q: torch.Tensor, drafts: torch.Tensor,
+            u_accept: torch.Tensor, u_residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """3. DECIDE: accepted drafts and the next token per row; rows grouped by ``g_b``."""
+    groups = sorted(set(rnd.lengths))
+    gamma = drafts.shape[1]
+    if len(groups) == 1 and groups[0] > 0:  # one group: no row indexing (no slicing at all when g = gamma)
+        g = groups[0]
+        out = (verifier(P, Q, drafts, u_accept, u_residual) if g == gamma else
+               verifier(P[:, : g + 1], Q[:, :g], drafts[:, :g], u_accept[:, :g], u_residual))
+        return out.n_accepted, out.next_token
+    n_acc = torch.zeros_like(rnd.n)
+    next_token = torch.zeros_like(rnd.n)
+    for g in groups:
+        rows = torch.nonzero(rnd.n_drafts == g).squeeze(1)
+        if g == 0:  # only the last image token is left: plain target sampling
+            next_token[rows] = rng.sample_categorical(P[rows, 0], u_residual[rows])
+            continue
+        out = verifier(P[rows, : g + 1], Q[rows, :g], drafts[rows, :g], u_accept[rows, :g], u_residual[rows])
+        n_acc[rows] = out.n_accepted
+        next_token[rows] = out.next_token
+    return n_acc, next_token
+
+
+def _commit(rnd: _Round, n_acc: torch.Tensor, next_token: torch.Tensor, tokens: torch.Tensor,
+            committed: torch.Tensor, target_stream: GuidedModel, draft_stream: GuidedModel) -> None:
+    """4. COMMIT: the accepted drafts are in place; the correction / bonus token follows them."""
+    last = rnd.n + n_acc
+    rnd.tokens.scatter_(1, last[:, None], next_token[:, None])
+    if not rnd.full:
+        tokens[rnd.idx] = rnd.tokens
+    new_n = last + 1
+    target_stream.crop(rnd.idx, new_n, all_rows=rnd.full)  # sequence positions 0 .. n + n_acc hold committed K/V
+    draft_stream.crop(rnd.idx, torch.minimum(new_n, rnd.n + rnd.n_drafts), all_rows=rnd.full)
+    if rnd.full:
+        committed.copy_(new_n)
+    else:
+        committed[rnd.idx] = new_n
+
+
+def _speculative(verifier: Verifier, params: Speculative, pair: ModelPair, labels: torch.Tensor,
+                 sample_ids: torch.Tensor, seed: int) -> tuple[torch.Tensor, RoundTally]:
+    target: DiscreteGPT = pair.target
+    gamma = params.gamma
+    num_tokens = target.config.num_image_tokens
+    batch = labels.shape[0]
+    device = labels.device
+    max_len = target.max_seq_len + gamma + 1  # room for a row's padded last verify
+    target_stream = GuidedModel(target, batch, params, max_len)
+    draft_stream = GuidedModel(pair.draft, batch, params, max_len)
+    tokens = torch.zeros(batch, num_tokens + gamma + 1, dtype=torch.int64, device=device)
+    committed = torch.ones(batch, dtype=torch.int64, device=device)  # n_b after the prefill
+    tally = RoundTally(batch, gamma, num_tokens, device)
+    # Positions up to num_tokens + gamma: a round's padded tail positions (never read) need no clamp.
+    uniforms = RoundUniforms(seed, sample_ids, num_tokens + gamma + 1)
+    all_rows = torch.arange(batch, device=device)
+    steps = torch.arange(gamma + 1, device=device)
+
+    # 0. PREFILL: the first image token from the target, keyed exactly like target_only's.
+    zero = torch.zeros(batch, 1, dtype=torch.int64, device=device)
+    probs0 = target_stream.probs(all_rows, labels[:, None], zero, all_rows=True, prefix=True)[:, 0]
+    tokens[:, 0] = rng.categorical(probs0, seed, sample_ids, "target", position=0)
+    tally.add_calls(None, target=1)
+
+    # Every active row is in round `it` (see RoundUniforms).
+    for it in range(num_tokens):
+        rnd = _next_round(committed, num_tokens, gamma, labels, tokens, all_rows, steps)
+        if rnd is None:
+            break
+        u = uniforms.round(it, rnd.idx, rnd.positions[:, :gamma])  # [r, gamma, (draft, accept, residual)]
+        drafts, Q = _draft(draft_stream, rnd, u[:, :, 0], it == 0, gamma, target.config.vocab_size)
+        P = _target_probs(target_stream, rnd, drafts, gamma)
+        n_acc, next_token = _decide(verifier, rnd, P, Q, drafts, u[:, :, 1], u[:, 0, 2])
+        _commit(rnd, n_acc, next_token, tokens, committed, target_stream, draft_stream)
+        tally.observe_prefix(None if rnd.full else rnd.idx, rnd.positions[:, :gamma], rnd.n_drafts, n_acc)
+    tally.flush()
+    tally.add_calls(None, target=tally.rounds, draft=tally.drafted)  # one verify call per round, one draft call per draft
+    return tokens[:, :num_tokens], tally
+
+
+def generate_tokens(method: str | Method, params: Any, pair: ModelPair, labels: torch.Tensor,
+                    sample_ids: torch.Tensor, seed: int) -> tuple[torch.Tensor, list[SampleStats]]:
+    """Image tokens ``[B, N]`` and per-sample statistics (``method``/``params`` as in :func:`run_batch`)."""
+    method, params = resolve(FAMILY, method, params)
+    device = pair.device
+    labels = labels.to(device=device, dtype=torch.int64)
+    sample_ids = sample_ids.to(device=device, dtype=torch.int64)
+    num_classes = pair.target.config.num_classes
+    if labels.dim() != 1 or sample_ids.shape != labels.shape:
+        raise ValueError(f"labels and sample_ids must be 1-D of equal length, got {tuple(labels.shape)} and {tuple(sample_ids.shape)}")
+    if labels.numel() and (int(labels.min()) < 0 or int(labels.max()) >= num_classes):
+        raise ValueError(f"class labels must be in [0, {num_classes - 1}], got range [{int(labels.min())}, {int(labels.max())}]")
+    with torch.inference_mode():
+        if isinstance(params, Speculative):
+            if pair.draft is None:
+                raise ValueError(f"method {method.name!r} needs a draft model; the pair has none")
+            if method.rule is None:
+                raise ValueError(f"method {method.name!r} names no verification rule in the family table")
+            verifier = method.rule()(params, pair)
+            tokens, tally = _speculative(verifier, params, pair, labels, sample_ids, seed)
+        else:
+            tokens, tally = _target_only(pair, params, labels, sample_ids, seed)
+    num_tokens = pair.target.config.num_image_tokens
+    return tokens, tally.to_stats(num_tokens, timeline=isinstance(params, Speculative))
+
+
+def run_batch(method: str | Method, params: Any, pair: ModelPair, labels: torch.Tensor,
+              sample_ids: torch.Tensor, seed: int) -> GenerationResult:
+    """Generate one batch; images uint8 ``[B, 8, 8]`` on CPU. ``method``/``params`` as names and a
+    mapping, or as the family table's entry and typed parameters."""
+    tokens, stats = generate_tokens(method, params, pair, labels, sample_ids, seed)
+    return GenerationResult(images=to_images(tokens, pair.target.config.grid_size), stats=stats)

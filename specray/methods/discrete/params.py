@@ -1,0 +1,120 @@
+"""Parameters of the discrete family's methods (spec discrete_sd.md); torch-free.
+
+Every method samples through the same logits processing (CFG on raw logits, then temperature,
+top-k, top-p: :class:`Sampling`); the speculative ones add the draft length ``gamma`` and their
+rule's own parameters. Defaults are the spec's, or the papers' where the spec is open (README's
+table of defaults).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Annotated, ClassVar, Literal
+
+from pydantic import Field, model_validator
+
+from specray.methods.params import Gamma, MethodParams, ParamError
+
+
+class Sampling(MethodParams):
+    """The sampler every method shares; ``target_only`` is exactly this."""
+
+    cfg_scale: Annotated[float, Field(ge=0)] = 1.5
+    temperature: Annotated[float, Field(ge=0)] = 1.0
+    top_k: Annotated[int, Field(ge=0)] = 0  # 0 = off
+    top_p: Annotated[float, Field(gt=0, le=1)] = 1.0  # 1 = off
+
+    @property
+    def lossless(self) -> bool:
+        return True
+
+    @property
+    def uses_uncond(self) -> bool:
+        """Whether the unconditional stream is needed (cfg_scale != 1)."""
+        return self.cfg_scale != 1.0
+
+
+class TargetOnly(Sampling):
+    """Plain ancestral sampling from the target."""
+
+
+class Speculative(Sampling):
+    """A draft -> verify -> commit method. ``rule`` names its verification rule in ``rules.py``."""
+
+    rule: ClassVar[str]
+    gamma: Gamma = 4
+
+    @property
+    def needs_draft(self) -> bool:
+        return True
+
+
+class SD(Speculative):
+    """Standard speculative sampling (spec §1): exact."""
+
+    rule: ClassVar[str] = "sd"
+
+
+class Block(Speculative):
+    """Block verification (spec §2): exact, never fewer tokens than ``sd`` in expectation."""
+
+    rule: ClassVar[str] = "block"
+
+
+class Lantern(Speculative):
+    """LANTERN (``mode: delta``) / LANTERN++ (``mode: lambda``) relaxed acceptance (spec §3)."""
+
+    rule: ClassVar[str] = "lantern"
+    k: Annotated[int, Field(ge=0)] = 5
+    lam: float | None = 2.0
+    delta: float | None = None
+    mode: Literal["lambda", "delta"] = "lambda"
+    residual: Literal["gstar", "official"] = "gstar"
+    forbid_zero_target_mass: bool = False
+    normalize_embeddings: bool = True
+
+    @model_validator(mode="after")
+    def _budget(self) -> "Lantern":
+        if self.mode == "lambda" and (self.lam is None or self.lam < 1.0):
+            raise ParamError("lam", f"must be a number >= 1 in mode 'lambda', got {self.lam!r}")
+        if self.mode == "delta" and (self.delta is None or not 0.0 <= self.delta <= 1.0):
+            raise ParamError("delta", f"must be a number in [0, 1] in mode 'delta', got {self.delta!r}")
+        return self
+
+    @property
+    def lossless(self) -> bool:
+        # The G* residual reduces to sd exactly when no neighbour mass can be borrowed.
+        no_budget = self.k == 0 or (self.lam == 1.0 if self.mode == "lambda" else self.delta == 0.0)
+        return self.residual == "gstar" and no_budget
+
+
+class CoolSD(Speculative):
+    """COOL-SD: ω_i = δ·exp(−ν i − μ) with the G* residual (spec §4). ``mu: null`` = mean normalisation."""
+
+    rule: ClassVar[str] = "cool_sd"
+    delta: Annotated[float, Field(ge=0)] = 1.1
+    nu: float = 0.7
+    mu: float | None = None
+
+    def resolved_mu(self) -> float:
+        """μ itself: mean normalisation over the full round (mean ω = δ) when ``mu`` is null."""
+        if self.mu is not None:
+            return self.mu
+        return math.log(sum(math.exp(-self.nu * i) for i in range(1, self.gamma + 1)) / self.gamma)
+
+    @property
+    def lossless(self) -> bool:
+        # With every ω_i <= 1 the relaxed rule only tightens acceptance and G* restores the law.
+        mu = self.resolved_mu()
+        return max(self.delta * math.exp(-self.nu * i - mu) for i in range(1, self.gamma + 1)) <= 1.0
+
+
+class UniformRSD(Speculative):
+    """UNIFORM-RSD: COOL-SD with a constant ω = δ (spec §4.5 ablation)."""
+
+    rule: ClassVar[str] = "uniform_rsd"
+    delta: Annotated[float, Field(ge=0)] = 1.1
+
+    @property
+    def lossless(self) -> bool:
+        return self.delta <= 1.0

@@ -1,0 +1,110 @@
+"""docs/extending.md, exercised: a toy method added through the public contract only.
+
+The toy is a discrete-family method with its own verification rule: it drafts gamma tokens and
+rejects every one of them, so each token comes from the target's own distribution at the
+position (lossless, and never faster). It is registered with ``specray.families.register_method``
+in this process and, through Ray's ``worker_process_setup_hook``, in every actor; nothing else
+(no module path, no ``sys.modules`` entry, no edit of specray) is needed for the spec to validate
+it, the actors to run it and the reducer to read its ``lossless`` flag.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import ClassVar
+
+import pyarrow.parquet as pq
+import pytest
+import ray
+import torch
+
+from specray import rng
+from specray.families import Method, register_method, unregister_method
+from specray.methods.discrete.params import Speculative
+from specray.methods.discrete.rules import VerifyOutput
+from specray.spec import SpecError, load_job
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+class RejectAll(Speculative):
+    """Drafts gamma tokens and rejects them all; the next token is drawn from the target."""
+
+    rule: ClassVar[str] = "reject_all"
+
+    @property
+    def lossless(self) -> bool:
+        return True
+
+
+def reject_all_rule(params: RejectAll, pair):
+    """The rule factory the family table names: one verify function per run."""
+
+    def verify(P, Q, drafts, u_accept, u_residual) -> VerifyOutput:
+        rejected = torch.zeros(P.shape[0], dtype=torch.int64, device=P.device)
+        next_token = rng.sample_categorical(P[:, 0].double(), u_residual)
+        return VerifyOutput(rejected, next_token, torch.zeros_like(drafts, dtype=torch.bool))
+
+    return verify
+
+
+TOY = Method("reject_all", RejectAll, rule=lambda: reject_all_rule, summary="rejects every draft (a toy)")
+
+
+def install() -> None:
+    """Registers the toy; runs in the test process and, as Ray's setup hook, in every worker."""
+    register_method("discrete_ar", TOY)
+
+
+@pytest.fixture(scope="module")
+def toy():
+    install()
+    yield TOY
+    unregister_method("discrete_ar", TOY.name)
+
+
+def _job(output: Path, **params) -> dict:
+    models = {"family": "discrete_ar", "target": "digits-gpt-target", "draft": "digits-gpt-draft"}
+    return {"job_id": "toy", "seed": 3, "output": str(output), "batch_size": 5, "shard_batches": 1, "actors": 1,
+            "conditions": {"kind": "class_labels", "per_class": 1, "classes": "all"},
+            "arms": [{"name": "target_only", "method": "target_only", **models},
+                     {"name": "toy", "method": "reject_all", **models, "params": params}],
+            "eval": {"fid": False}}
+
+
+def test_the_toy_is_unknown_until_registered(tmp_path):
+    with pytest.raises(SpecError, match=r"^arms\[1\]\.method: unknown method 'reject_all' for family 'discrete_ar'"):
+        load_job(_job(tmp_path / "run"))
+
+
+def test_its_parameters_are_validated_by_its_class(toy, tmp_path):
+    spec = load_job(_job(tmp_path / "run", gamma=3))
+    assert spec.arm("toy").params["gamma"] == 3
+    with pytest.raises(SpecError, match=r"^arms\[1\]\.params\.gamma: must be an integer in \[1, 64\], got 0$"):
+        load_job(_job(tmp_path / "run", gamma=0))
+    with pytest.raises(SpecError, match=r"^arms\[1\]\.params\.budget: unknown parameter"):
+        load_job(_job(tmp_path / "run", budget=1))
+
+
+def test_the_runtime_runs_it_and_the_reducer_reads_its_flag(toy, tmp_path):
+    from specray.eval.noise import is_lossless
+    from specray.runtime.coordinator import run_job
+
+    spec = load_job(_job(tmp_path / "run", gamma=3))
+    paths = os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))
+    ray.init(num_cpus=1, include_dashboard=False, configure_logging=False,
+             runtime_env={"env_vars": {"PYTHONPATH": paths, "OMP_NUM_THREADS": "1"},
+                          "worker_process_setup_hook": f"{__name__}.install"})
+    try:
+        result = run_job(spec, show_progress=False)
+    finally:
+        ray.shutdown()
+    assert result.manifest["num_rows"] == 20
+    rows = pq.read_table(tmp_path / "run" / "samples" / "arm=toy").to_pylist()
+    assert len(rows) == 10 and {r["method"] for r in rows} == {"reject_all"}
+    for row in rows:  # every draft rejected: one target call per token after the first
+        assert row["num_accepted_draft_tokens"] == 0 and row["num_draft_tokens"] > 0
+        assert row["target_calls"] == row["num_tokens"] and row["accepted_per_position"] == [0, 0, 0]
+    assert is_lossless("discrete_ar", "reject_all", spec.arm("toy").params)
+    assert not is_lossless("discrete_ar", "cool_sd", {"delta": 2.0})
