@@ -24,7 +24,7 @@ from typing import Any
 from specray.methods.continuous import params as continuous_params
 from specray.methods.diffusion import params as diffusion_params
 from specray.methods.discrete import params as discrete_params
-from specray.methods.params import MethodParams
+from specray.methods.params import MethodParams, StrictParams
 
 # A zero-argument function that imports and returns a torch-side object (a loop, a loader...).
 Lazy = Callable[[], Any]
@@ -46,12 +46,30 @@ class Method:
 
 
 @dataclass(frozen=True)
+class ModelFormat:
+    """A checkpoint format a family loads, named in a job as ``{format: NAME, ...options}``.
+
+    ``options``: the typed options class (torch-free); the spec validates a reference with it
+    before Ray starts, so it should check what it can without reading tensors (the file exists,
+    its header is sound, the size is known). ``load()`` returns ``load(options, device)``, which
+    returns what the family's ``load_pair`` needs for one model.
+    """
+
+    name: str
+    options: type[StrictParams]
+    load: Lazy
+    summary: str = ""
+
+
+@dataclass(frozen=True)
 class Family:
-    """A model family: its methods, and where its loop, model loader and trainer live.
+    """A model family: its methods, the checkpoint formats it loads, and where its loop, model
+    loader and trainer live.
 
     ``loop()`` returns ``run_batch(method, params, pair, labels, sample_ids, seed) ->
-    GenerationResult``; ``load_pair()`` returns ``load_pair(target, draft, device) -> ModelPair``;
-    ``trainer()`` returns ``train_preset(name, out_dir, seed) -> Path``.
+    GenerationResult``; ``load_pair()`` returns ``load_pair(target, draft, device) -> ModelPair``
+    (``target``/``draft``: a preset name, a ``.safetensors`` path, or a ``{format: ...}`` mapping
+    already validated by the spec); ``trainer()`` returns ``train_preset(name, out_dir, seed) -> Path``.
     """
 
     name: str
@@ -60,6 +78,7 @@ class Family:
     loop: Lazy
     load_pair: Lazy
     trainer: Lazy
+    formats: Mapping[str, ModelFormat] = field(default_factory=dict)
     metadata: Mapping[str, Any] = field(default_factory=dict)
 
     def method(self, name: str) -> Method:
@@ -72,6 +91,13 @@ class Family:
     def parse_params(self, method: str, raw: Mapping[str, Any] | None) -> MethodParams:
         """``method``'s validated parameters (raises ParamError naming the bad field)."""
         return self.method(method).params.parse(raw)
+
+    def model_format(self, name: str) -> ModelFormat:
+        try:
+            return self.formats[name]
+        except KeyError:
+            allowed = ", ".join(self.formats) or "none (use a preset name or a .safetensors path)"
+            raise KeyError(f"unknown model format {name!r} for family {self.name!r}; allowed: {allowed}") from None
 
 
 def _methods(*entries: Method) -> dict[str, Method]:
@@ -184,6 +210,13 @@ def load_pair(family_name: str, target: str, draft: str | None, device: Any):
     return family(family_name).load_pair()(target, draft, device)
 
 
+def load_formatted_model(family_name: str, ref: Mapping[str, Any], device: Any) -> Any:
+    """One model from a ``{format: NAME, ...}`` reference, by the family's loader for that format."""
+    entry = family(family_name).model_format(str(ref.get("format")))
+    options = entry.options.parse({k: v for k, v in ref.items() if k != "format"})
+    return entry.load()(options, device)
+
+
 def resolve(family_name: str, method: str | Method,
             params: MethodParams | Mapping[str, Any] | None) -> tuple[Method, MethodParams]:
     """A method entry and typed parameters from names and a mapping (already-typed values pass through)."""
@@ -210,6 +243,18 @@ def register_method(family_name: str, method: Method) -> Method:
     current = family(family_name)
     FAMILIES[family_name] = replace(current, methods={**current.methods, method.name: method})
     return method
+
+
+def register_format(family_name: str, model_format: ModelFormat) -> ModelFormat:
+    """Add (or replace) a checkpoint format of an existing family."""
+    current = family(family_name)
+    FAMILIES[family_name] = replace(current, formats={**current.formats, model_format.name: model_format})
+    return model_format
+
+
+def unregister_format(family_name: str, name: str) -> None:
+    current = family(family_name)
+    FAMILIES[family_name] = replace(current, formats={k: v for k, v in current.formats.items() if k != name})
 
 
 def unregister_method(family_name: str, name: str) -> None:

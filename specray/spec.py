@@ -83,15 +83,27 @@ class ArmSpec:
     name: str
     family: str
     method: str
-    target: str
-    draft: str | None
+    target: str | dict[str, Any]  # a preset name, a checkpoint path, or a {format: ...} mapping
+    draft: str | dict[str, Any] | None
     params: dict[str, Any] = field(default_factory=dict)
     seed_offset: int = 0  # the arm's samples use seed job.seed + seed_offset (e.g. target_only replicas for FID noise)
 
     @property
     def group_key(self) -> tuple[str, str, str | None]:
-        """Arms with the same key share one model pair (and one actor per shard)."""
-        return (self.family, self.target, self.draft)
+        """Arms with the same key share one model pair (and one actor per shard): the family and the
+        models' keys (``specray.models.refs.ref_key``)."""
+        from specray.models.refs import ref_key
+
+        return (self.family, ref_key(self.target), ref_key(self.draft))
+
+    @property
+    def target_key(self) -> str:
+        """The target as one string (Parquet rows, reports): a name, a path, or canonical JSON."""
+        return self.group_key[1]
+
+    @property
+    def draft_key(self) -> str | None:
+        return self.group_key[2]
 
     def fingerprint(self) -> str:
         identity = {"name": self.name, "family": self.family, "method": self.method,
@@ -338,10 +350,13 @@ def _arms(path: str, raw: Any) -> tuple[ArmSpec, ...]:
     return tuple(arms)
 
 
-def _model_ref(path: str, value: Any, family: str) -> str:
-    """A preset name of the arm's family (checkpoint paths/URIs are validated by the family loader)."""
+def _model_ref(path: str, value: Any, family: str) -> str | dict[str, Any]:
+    """A preset name of the arm's family, a checkpoint path, or a ``{format: NAME, ...}`` mapping
+    validated by the family's options class for that format."""
     from specray.models.presets import get_preset
 
+    if isinstance(value, Mapping):
+        return _formatted_model_ref(path, value, family)
     name = _string(path, value)
     if _looks_like_checkpoint(name):
         if "://" not in name:
@@ -356,6 +371,24 @@ def _model_ref(path: str, value: Any, family: str) -> str:
     if preset.role == "feature":
         raise SpecError(path, f"preset {name!r} is a feature extractor, not a generator")
     return name
+
+
+def _formatted_model_ref(path: str, value: Mapping[str, Any], family_name: str) -> dict[str, Any]:
+    from specray.families import family
+    from specray.methods.params import ParamError
+
+    fmt = value.get("format")
+    if "format" not in value:
+        raise SpecError(f"{path}.format", "is required in a model mapping ({format: NAME, ...options})")
+    try:
+        entry = family(family_name).model_format(_string(f"{path}.format", fmt))
+    except KeyError as exc:
+        raise SpecError(f"{path}.format", str(exc.args[0])) from None
+    try:
+        options = entry.options.parse({k: v for k, v in value.items() if k != "format"})
+    except ParamError as exc:
+        raise SpecError(f"{path}" + (f".{exc.field}" if exc.field else ""), exc.message) from None
+    return {"format": entry.name, **options.to_dict()}
 
 
 def _looks_like_checkpoint(name: str) -> bool:
@@ -542,7 +575,7 @@ def _num_classes(arms: tuple[ArmSpec, ...]) -> int | None:
     counts = []
     for arm in arms:
         for ref in (arm.target, arm.draft):
-            if ref is None or _looks_like_checkpoint(ref):
+            if not isinstance(ref, str) or _looks_like_checkpoint(ref):
                 continue
             n = get_preset(ref).config.get("num_classes")
             if n is not None:

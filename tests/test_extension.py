@@ -1,4 +1,5 @@
-"""docs/extending.md, exercised: a toy method added through the public contract only.
+"""docs/extending.md, exercised: a toy method and a toy checkpoint format added through the public
+contract only.
 
 The toy is a discrete-family method with its own verification rule: it drafts gamma tokens and
 rejects every one of them, so each token comes from the target's own distribution at the
@@ -20,9 +21,20 @@ import ray
 import torch
 
 from specray import rng
-from specray.families import Method, register_method, unregister_method
+from pydantic import model_validator
+
+from specray.families import (
+    Method,
+    ModelFormat,
+    load_pair,
+    register_format,
+    register_method,
+    unregister_format,
+    unregister_method,
+)
 from specray.methods.discrete.params import Speculative
 from specray.methods.discrete.rules import VerifyOutput
+from specray.methods.params import ParamError, StrictParams
 from specray.spec import SpecError, load_job
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -108,3 +120,59 @@ def test_the_runtime_runs_it_and_the_reducer_reads_its_flag(toy, tmp_path):
         assert row["target_calls"] == row["num_tokens"] and row["accepted_per_position"] == [0, 0, 0]
     assert is_lossless("discrete_ar", "reject_all", spec.arm("toy").params)
     assert not is_lossless("discrete_ar", "cool_sd", {"delta": 2.0})
+
+
+# ---- a checkpoint format ------------------------------------------------------------------------
+
+
+class PresetWeights(StrictParams):
+    """A toy format: a built-in preset's weights file, named by its path."""
+
+    path: str
+
+    @model_validator(mode="after")
+    def _exists(self) -> "PresetWeights":
+        if not Path(self.path).is_file():
+            raise ParamError("path", f"{self.path!r} does not exist; give a preset's .safetensors file")
+        return self
+
+
+def load_preset_weights(options: PresetWeights, device):
+    from specray.models.discrete_ar import load_model
+
+    return load_model(options.path, device)
+
+
+@pytest.fixture
+def toy_format():
+    entry = register_format("discrete_ar", ModelFormat("preset-weights", PresetWeights, lambda: load_preset_weights))
+    yield entry
+    unregister_format("discrete_ar", entry.name)
+
+
+def test_a_format_is_validated_at_spec_time_and_loaded_by_its_loader(toy_format, tmp_path):
+    from specray.models.presets import get_preset
+
+    weights = str(get_preset("digits-gpt-target").weights_path)
+    job = _job(tmp_path / "run")
+    job["arms"][0]["target"] = {"format": "preset-weights", "path": weights}
+    job["conditions"]["classes"] = [0, 1, 2]  # a formatted model does not say how many classes it has
+    spec = load_job(job)
+    assert spec.arm("target_only").target == {"format": "preset-weights", "path": weights}
+    assert spec.arm("target_only").target_key.startswith('{"format":"preset-weights"')
+    for bad, field, words in [({"format": "nope"}, "target.format", "unknown model format 'nope'"),
+                              ({"format": "preset-weights"}, "target.path", "must be"),
+                              ({"format": "preset-weights", "path": str(tmp_path)}, "target.path", "does not exist"),
+                              ({"format": "preset-weights", "path": weights, "size": 1}, "target.size", "unknown")]:
+        job["arms"][0]["target"] = bad
+        with pytest.raises(SpecError) as info:
+            load_job(job)
+        assert info.value.field_path == f"arms[0].{field}" and words in str(info.value), str(info.value)
+
+    from specray.methods.discrete.loop import run_batch
+
+    labels, ids = torch.tensor([0, 2]), torch.tensor([4, 5])
+    by_format = load_pair("discrete_ar", {"format": "preset-weights", "path": weights}, None, "cpu")
+    by_name = load_pair("discrete_ar", "digits-gpt-target", None, "cpu")
+    assert torch.equal(run_batch("target_only", {}, by_format, labels, ids, 1).images,
+                       run_batch("target_only", {}, by_name, labels, ids, 1).images)

@@ -298,9 +298,15 @@ def flops_per_token(config: ContinuousARConfig, sample_steps: int | None = None)
 
 
 # -- weights and pairs ----------------------------------------------------------------------------
-def load_model(name_or_path: str, device: torch.device | str = "cpu") -> tuple[ContinuousAR, dict[str, str]]:
-    """Build a model from a preset name (or a ``.safetensors`` path with a ``config`` metadata entry)."""
+def load_model(name_or_path: str | dict, device: torch.device | str = "cpu") -> tuple[ContinuousAR, dict[str, str]]:
+    """Build a model from a preset name, a ``.safetensors`` path with a ``config`` metadata entry, or a
+    ``{format: ...}`` reference loaded by the family table's loader for that format."""
     import json
+
+    if isinstance(name_or_path, dict):
+        from specray.families import load_formatted_model
+
+        return load_formatted_model("continuous_ar", name_or_path, device)
 
     from safetensors import safe_open
     from safetensors.torch import load_file
@@ -328,7 +334,9 @@ def load_model(name_or_path: str, device: torch.device | str = "cpu") -> tuple[C
     return model.to(device).eval(), metadata
 
 
-def load_pair(target: str, draft: str | None, device: torch.device) -> ModelPair:
+def load_pair(target: str | dict, draft: str | dict | None, device: torch.device) -> ModelPair:
+    from specray.models.refs import ref_key
+
     target_model, target_meta = load_model(target, device)
     draft_model, draft_meta = (None, {}) if draft is None else load_model(draft, device)
     if draft_model is not None and draft_model.config.diffusion_sample_steps != target_model.config.diffusion_sample_steps:
@@ -342,4 +350,5 @@ def load_pair(target: str, draft: str | None, device: torch.device) -> ModelPair
         "target_metadata": target_meta,
         "draft_metadata": draft_meta,
     }
-    return ModelPair("continuous_ar", target, draft, target_model, draft_model, torch.device(device), info)
+    return ModelPair("continuous_ar", ref_key(target), ref_key(draft), target_model, draft_model,
+                     torch.device(device), info)

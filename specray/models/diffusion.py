@@ -154,9 +154,15 @@ def to_uint8_image(x: torch.Tensor) -> torch.Tensor:
     return ((x[:, 0].clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).cpu()
 
 
-def load_denoiser(name_or_path: str, device: torch.device) -> tuple[Denoiser, dict[str, Any]]:
-    """Load a preset (by name) or a safetensors file written by ``train_preset``."""
+def load_denoiser(name_or_path: str | dict, device: torch.device) -> tuple[Denoiser, dict[str, Any]]:
+    """Load a preset (by name), a safetensors file written by ``train_preset``, or a ``{format: ...}``
+    reference loaded by the family table's loader for that format."""
     from pathlib import Path
+
+    if isinstance(name_or_path, dict):
+        from specray.families import load_formatted_model
+
+        return load_formatted_model(FAMILY, name_or_path, device)
 
     from specray.models.presets import get_preset
 
@@ -181,8 +187,10 @@ def load_denoiser(name_or_path: str, device: torch.device) -> tuple[Denoiser, di
     return model, config
 
 
-def load_pair(target: str, draft: str | None, device: torch.device | str) -> ModelPair:
+def load_pair(target: str | dict, draft: str | dict | None, device: torch.device | str) -> ModelPair:
     """Target denoiser plus an optional independent draft denoiser (same schedule and classes)."""
+    from specray.models.refs import ref_key
+
     device = torch.device(device)
     target_model, config = load_denoiser(target, device)
     draft_model = None
@@ -196,4 +204,4 @@ def load_pair(target: str, draft: str | None, device: torch.device | str) -> Mod
         "num_classes": config["num_classes"],
         "scheduler": make_scheduler(config),
     }
-    return ModelPair(FAMILY, target, draft, target_model, draft_model, device, info)
+    return ModelPair(FAMILY, ref_key(target), ref_key(draft), target_model, draft_model, device, info)

@@ -408,9 +408,15 @@ class DiscreteGPT(nn.Module):
 # ---- loading ------------------------------------------------------------------------------
 
 
-def load_model(name_or_path: str | Path, device: torch.device | str = "cpu") -> DiscreteGPT:
-    """A preset by name, or a ``.safetensors`` file whose metadata holds ``config`` (JSON)."""
+def load_model(name_or_path: str | Path | dict, device: torch.device | str = "cpu") -> DiscreteGPT:
+    """A preset by name, a ``.safetensors`` file whose metadata holds ``config`` (JSON), or a
+    ``{format: ...}`` reference loaded by the family table's loader for that format."""
     import json
+
+    if isinstance(name_or_path, dict):
+        from specray.families import load_formatted_model
+
+        return load_formatted_model("discrete_ar", name_or_path, device)
 
     from safetensors import safe_open
     from safetensors.torch import load_file
@@ -438,8 +444,10 @@ def load_model(name_or_path: str | Path, device: torch.device | str = "cpu") -> 
     return model.to(device).eval()
 
 
-def load_pair(target: str, draft: str | None, device: torch.device | str) -> ModelPair:
+def load_pair(target: str | dict, draft: str | dict | None, device: torch.device | str) -> ModelPair:
     """Target and draft GPTs on ``device`` plus the info the discrete loop needs."""
+    from specray.models.refs import ref_key
+
     device = torch.device(device)
     target_model = load_model(target, device)
     draft_model = load_model(draft, device) if draft is not None else None
@@ -463,8 +471,8 @@ def load_pair(target: str, draft: str | None, device: torch.device | str) -> Mod
     }
     return ModelPair(
         family="discrete_ar",
-        target_name=str(target),
-        draft_name=None if draft is None else str(draft),
+        target_name=ref_key(target),
+        draft_name=ref_key(draft),
         target=target_model,
         draft=draft_model,
         device=device,

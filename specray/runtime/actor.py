@@ -24,6 +24,7 @@ from specray.families import FAMILIES, Method, resolve
 from specray.methods.common import GenerationResult
 from specray.methods.params import MethodParams
 from specray.models.pair import ModelPair
+from specray.models.refs import ref_from_key
 from specray.runtime.images import image_cell
 from specray.runtime.plan import ShardPlan, ShardTask, shard_relpath
 from specray.runtime.store import CommittedFile, RunStore, rows_to_table
@@ -126,7 +127,7 @@ class ShardWorker:
     def _pair(self, key: tuple[str, str, str | None]) -> ModelPair:
         if key not in self._pairs:
             family, target, draft = key
-            self._pairs[key] = FAMILIES[family].load_pair()(target, draft, self.device)
+            self._pairs[key] = FAMILIES[family].load_pair()(ref_from_key(target), ref_from_key(draft), self.device)
         return self._pairs[key]
 
     def _method(self, arm: ArmSpec) -> tuple[Method, MethodParams]:
@@ -186,7 +187,7 @@ class ShardWorker:
             extra = record.pop("extra")
             rows.append({
                 "job_id": self.spec.job_id, "arm": arm.name, "method": arm.method, "family": arm.family,
-                "target": arm.target, "draft": arm.draft,
+                "target": arm.target_key, "draft": arm.draft_key,
                 "sample_id": int(sample_ids[row]), "seed": self.arm_seed(arm), "class_label": int(labels[row]),
                 "image": image_cell(image),
                 "height": int(image.shape[0]), "width": int(image.shape[1]),

@@ -179,27 +179,29 @@ def _remove_tree(uri: str, storage_options: dict[str, Any] | None) -> None:
 
 def model_versions(spec: JobSpec) -> list[dict[str, Any]]:
     """Each model the arms use: preset/checkpoint, sha256 of its weights, and its training record."""
-    from specray.models.presets import get_preset
+    from specray.models.presets import PRESETS, _load_all
+    from specray.models.refs import ref_path
 
+    _load_all()
     seen: dict[str, dict[str, Any]] = {}
     for arm in spec.arms:
-        for role, ref in (("target", arm.target), ("draft", arm.draft)):
-            if ref is None or ref in seen:
+        for role, ref, key in (("target", arm.target, arm.target_key), ("draft", arm.draft, arm.draft_key)):
+            if key is None or key in seen:
                 continue
-            entry: dict[str, Any] = {"name": ref, "role": role, "family": arm.family}
-            try:
-                preset = get_preset(ref)
-                path: Path | None = preset.weights_path
+            entry: dict[str, Any] = {"name": key, "role": role, "family": arm.family}
+            if isinstance(ref, str) and ref in PRESETS:
+                path: Path | None = PRESETS[ref].weights_path
                 entry["kind"] = "preset"
-            except KeyError:
-                path = Path(ref) if "://" not in ref else None
+            else:
+                location = ref_path(ref)
+                path = Path(location) if location and "://" not in location else None
                 entry["kind"] = "checkpoint"
             if path is not None and path.is_file():
                 entry["sha256"] = _sha256(path)
                 entry["bytes"] = path.stat().st_size
                 if path.suffix == ".safetensors":
                     entry["training"] = _safetensors_metadata(path)
-            seen[ref] = storage.redact(entry)
+            seen[key] = storage.redact(entry)
     return list(seen.values())
 
 
