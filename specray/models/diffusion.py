@@ -23,6 +23,7 @@ from diffusers import DDPMScheduler, UNet2DModel
 from safetensors import safe_open
 from safetensors.torch import load_file
 
+from specray.models.conditioning import TextConditionEmbedding
 from specray.models.pair import ModelPair
 
 FAMILY = "diffusion"
@@ -30,12 +31,13 @@ SAMPLERS = ("ddpm", "euler_maruyama")
 
 
 def build_unet(config: dict[str, Any]) -> UNet2DModel:
-    """A small class-conditional UNet for ``sample_size`` x ``sample_size`` grey images."""
+    """A small class- (or, with ``condition: text``, prompt-) conditional UNet for ``sample_size`` x
+    ``sample_size`` grey images."""
     channels = tuple(config["block_out_channels"])
     attention = set(config.get("attention_levels", ()))
     down = tuple("AttnDownBlock2D" if i in attention else "DownBlock2D" for i in range(len(channels)))
     up = tuple(t.replace("Down", "Up") for t in reversed(down))
-    return UNet2DModel(
+    unet = UNet2DModel(
         sample_size=config["sample_size"],
         in_channels=1,
         out_channels=1,
@@ -44,8 +46,13 @@ def build_unet(config: dict[str, Any]) -> UNet2DModel:
         up_block_types=up,
         layers_per_block=config["layers_per_block"],
         norm_num_groups=config["norm_num_groups"],
-        num_class_embeds=config["num_classes"] + 1,  # + null class for CFG
-    )
+        num_class_embeds=config["num_classes"] + 1 if config.get("condition", "class") == "class" else 1,
+    )  # + null class for CFG
+    if config.get("condition", "class") == "text":  # the class slot reads the batch's prompt features
+        unet.class_embedding = TextConditionEmbedding(config.get("text_dim", 384), channels[0] * 4, config["num_classes"])
+    elif config.get("condition", "class") != "class":
+        raise ValueError(f"condition={config['condition']!r}; allowed: class, text")
+    return unet
 
 
 def make_scheduler(config: dict[str, Any]) -> DDPMScheduler:

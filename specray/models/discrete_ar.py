@@ -30,9 +30,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specray.models.conditioning import TextConditionEmbedding
 from specray.models.pair import ModelPair
 
 PREFIX_ROPE_MODES = ("zeros", "identity")
+CONDITIONS = ("class", "text")
 
 
 @dataclass(frozen=True)
@@ -52,6 +54,9 @@ class GPTConfig:
     token_dropout_p: float = 0.0
     prefix_rope: str = "zeros"
     cls_token_num: int = 1
+    condition: str = "class"  # "class": a class label at position 0; "text": a prompt's features there
+    text_dim: int = 384  # width of the prompt features ("text" only)
+    text_encoder: str = "minilm"  # the encoder whose features the model was trained on ("text" only)
 
     def __post_init__(self) -> None:
         if self.dim % self.n_head:
@@ -61,7 +66,9 @@ class GPTConfig:
         if self.prefix_rope not in PREFIX_ROPE_MODES:
             raise ValueError(f"prefix_rope={self.prefix_rope!r}; allowed: {', '.join(PREFIX_ROPE_MODES)}")
         if self.cls_token_num != 1:
-            raise ValueError("cls_token_num must be 1 (class-conditional prefix)")
+            raise ValueError("cls_token_num must be 1 (one conditioning token)")
+        if self.condition not in CONDITIONS:
+            raise ValueError(f"condition={self.condition!r}; allowed: {', '.join(CONDITIONS)}")
 
     @property
     def head_dim(self) -> int:
@@ -283,7 +290,10 @@ class DiscreteGPT(nn.Module):
         super().__init__()
         self.config = config
         self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
-        self.cls_embedding = LabelEmbedding(config.num_classes, config.dim, config.class_dropout_prob)
+        if config.condition == "text":  # position 0 reads the batch's prompt features (null = num_classes)
+            self.cls_embedding = TextConditionEmbedding(config.text_dim, config.dim, config.num_classes)
+        else:
+            self.cls_embedding = LabelEmbedding(config.num_classes, config.dim, config.class_dropout_prob)
         self.tok_dropout = nn.Dropout(config.token_dropout_p)
         self.layers = nn.ModuleList(TransformerBlock(config) for _ in range(config.n_layer))
         self.norm = RMSNorm(config.dim, config.norm_eps)

@@ -34,7 +34,7 @@ import torch
 
 from specray import rng
 from specray.families import Method, resolve
-from specray.methods.common import GenerationResult, RoundTally, SampleStats
+from specray.methods.common import GenerationResult, RoundTally, SampleStats, bind_conditions
 from specray.methods.continuous.head import ChainOutput, guided_eps_fn, run_chain
 from specray.methods.continuous.params import Common, CSpD
 from specray.methods.continuous.rules import accept, keyed_draws, log_acceptance_ratio, residual_sample
@@ -423,7 +423,7 @@ def run_batch(method: str | Method, params: Any, pair: ModelPair, labels: torch.
     if isinstance(params, CSpD) and pair.draft is None:
         raise ValueError(f"method {method.name!r} needs a draft model; the arm's 'draft' is empty")
     dev = pair.device
-    labels = labels.to(dev, torch.int64)
+    labels = bind_conditions(labels, pair).to(dev, torch.int64)
     sample_ids = sample_ids.to(dev, torch.int64)
     s = _setup(params, pair, sample_ids, seed)
     if isinstance(params, CSpD):

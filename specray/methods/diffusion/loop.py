@@ -33,7 +33,7 @@ import torch
 
 from specray import rng
 from specray.families import Method, resolve
-from specray.methods.common import GenerationResult, RoundTally, SampleStats
+from specray.methods.common import GenerationResult, RoundTally, SampleStats, bind_conditions
 from specray.methods.diffusion.params import Common, Speculative
 from specray.methods.diffusion.residual import reflect, sample_residual
 from specray.methods.diffusion.rules import block_verify, log_ratio, token_verify
@@ -272,6 +272,7 @@ def run_batch(method: str | Method, params: Any, pair, labels: torch.Tensor, sam
         raise ValueError("drafter='model' needs a draft model: set the arm's draft (e.g. digits-ddpm-draft)")
     device = pair.device
     sample_ids = sample_ids.to(device)
+    labels = bind_conditions(labels, pair)
     chain, steps = model_chain(pair, params, labels)
     x = rng.normal(seed, sample_ids, "x_T", shape=pair.info["image_shape"], device=device, dtype=torch.float32)
     batch, K = x.shape[0], steps.num_steps

@@ -50,7 +50,7 @@ import torch
 
 from specray import rng
 from specray.families import Method, resolve
-from specray.methods.common import GenerationResult, RoundTally, SampleStats
+from specray.methods.common import GenerationResult, RoundTally, SampleStats, bind_conditions
 from specray.methods.discrete.params import Sampling, Speculative
 from specray.methods.discrete.processing import process_with
 from specray.methods.discrete.rules import Verifier
@@ -349,7 +349,7 @@ def generate_tokens(method: str | Method, params: Any, pair: ModelPair, labels: 
     """Image tokens ``[B, N]`` and per-sample statistics (``method``/``params`` as in :func:`run_batch`)."""
     method, params = resolve(FAMILY, method, params)
     device = pair.device
-    labels = labels.to(device=device, dtype=torch.int64)
+    labels = bind_conditions(labels, pair).to(device=device, dtype=torch.int64)
     sample_ids = sample_ids.to(device=device, dtype=torch.int64)
     num_classes = pair.target.config.num_classes
     if labels.dim() != 1 or sample_ids.shape != labels.shape:
