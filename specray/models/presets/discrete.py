@@ -44,7 +44,7 @@ DIGITS_GPT_TEXT_TARGET = register(
         family="discrete_ar",
         role="target",
         config={**_TEXT, "dim": 64, "n_layer": 12, "n_head": 4, "text_encoder": "minilm"},
-        train={"steps": 2000, "batch_size": 32, "lr": 2e-3, "weight_decay": 0.05, "warmup_steps": 100},
+        train={"steps": 1200, "batch_size": 32, "lr": 2e-3, "weight_decay": 0.05, "warmup_steps": 100},
     )
 )
 
