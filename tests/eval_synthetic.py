@@ -91,7 +91,7 @@ def write_run(root: str, arms: list[SyntheticArm], *, per_class: int = 20, class
                 import pyarrow as pa
 
                 table = table.append_column("actor", pa.array([f"actor-{k % 2}"] * len(part), pa.string()))
-            path = f"samples/arm={arm.name}/shard-{k:05d}-of-{num_shards:05d}.parquet"
+            path = f"samples/{arm.name}/shard-{k:05d}-of-{num_shards:05d}.parquet"
             committed = store.write_shard(path, table)
             shards.append({"arm": arm.name, "shard": k, "num_shards": num_shards, "first_sample_id": lo,
                            **committed.to_dict()})

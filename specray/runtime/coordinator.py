@@ -29,7 +29,7 @@ import torch
 
 import specray
 from specray.runtime import fs as storage
-from specray.runtime.plan import ShardPlan, ShardTask, shard_relpath
+from specray.runtime.plan import SAMPLES_DIR, ShardPlan, ShardTask, shard_relpath
 from specray.runtime.progress import Progress
 from specray.runtime.store import JOB_RECORD_NAME, MANIFEST_NAME, CommittedFile, RunStore
 from specray.spec import JobSpec, SpecError, with_output
@@ -84,6 +84,10 @@ def check_resume(spec: JobSpec, plan: ShardPlan, store: RunStore) -> dict[str, A
                                       "it is not a specray run of this job. Choose another output")
         return None
     where = f"output {spec.output!r} holds a run of a different job"
+    if any(path.startswith(f"{SAMPLES_DIR}/arm=") for path in store.list_files(SAMPLES_DIR)):
+        raise SpecError("output", f"output {spec.output!r} holds a run written with samples/arm=<arm>/ folders "
+                                  "by an earlier specray; this one writes samples/<arm>/, and resuming would "
+                                  "leave both. Choose another output (the old run still reduces as it is)")
     if previous.get("format") != MANIFEST_FORMAT:
         raise SpecError("output", f"{where} (record format {previous.get('format')}); choose another output")
     old, new = previous["sample_determining"], spec.sample_determining()
