@@ -367,6 +367,22 @@ def test_in_process_worker_matches_actors_and_seed_matters(reference_run, tmp_pa
     assert sum(other[k] != expected[k] for k in expected) > len(expected) // 2
 
 
+def test_progress_moves_once_per_batch_of_every_arm(ray_local, tmp_path, capsys, monkeypatch):
+    """Not a terminal: plain lines; with no minimum interval there is one per batch of each arm (4 rows)."""
+    import re
+
+    monkeypatch.setenv("SPECRAY_PROGRESS_INTERVAL_S", "0")
+    from specray.runtime.coordinator import run_job
+
+    run_job(load_job(fake_job(tmp_path / "run", actors=2, shard_batches=3)), show_progress=True)
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("progress: ")]
+    done = [int(re.match(r"progress: (\d+)/48 samples", line).group(1)) for line in lines]
+    assert done[0] == 0 and done[-1] == 48
+    moved = sorted(set(done))
+    assert moved == list(range(0, 49, 4)), done  # every batch of every arm shows: 12 steps of 4 rows
+    assert "\r" not in "".join(lines)
+
+
 def test_resume_recomputes_only_the_missing_shard(reference_run, tmp_path):
     out = tmp_path / "run"
     shutil.copytree(reference_run[0], out)

@@ -266,7 +266,9 @@ class _Dispatcher:
         pending = collections.deque(range(len(tasks)))
         failures: dict[int, int] = collections.Counter()
         avoid: dict[int, set[int]] = collections.defaultdict(set)  # task -> actors it failed on
-        in_flight: dict[Any, tuple[int, int]] = {}  # ref -> (actor id, task index)
+        # A task runs as a Ray streaming generator: ("rows", n) per batch of each arm, then ("done", records).
+        in_flight: dict[Any, tuple[int, int]] = {}  # generator -> (actor id, task index)
+        counted: dict[int, int] = collections.Counter()  # task -> rows shown as done before it committed
         written: dict[str, CommittedFile] = {}
         failure: ShardFailedError | None = None
         waiting_since = time.monotonic()
@@ -279,20 +281,22 @@ class _Dispatcher:
                 waiting_since = self._warn_if_starved(in_flight, waiting_since)
                 continue
             waiting_since = time.monotonic()
-            ref = ready[0]
-            if ref in self._starting:
-                self._on_started(ref)
+            if ready[0] in self._starting:
+                self._on_started(ready[0])
                 continue
-            actor_id, index = in_flight.pop(ref)
+            stream = ready[0]
+            actor_id, index = in_flight[stream]
             task = tasks[index]
             try:
-                records = ray.get(ref)
-            except ray.exceptions.RayError as exc:
+                kind, value = ray.get(next(stream))
+            except (ray.exceptions.RayError, StopIteration) as exc:
+                in_flight.pop(stream)
+                self.progress.retract(counted.pop(index, 0))  # those rows run again
                 failures[index] += 1
                 self.retries += 1
                 self.progress.retry()
                 avoid[index].add(actor_id)
-                reason = _short_error(exc)
+                reason = _short_error(exc) if isinstance(exc, ray.exceptions.RayError) else "the task ended early"
                 self._after_failure(actor_id, task, exc, reason)
                 if failures[index] > self.spec.max_shard_retries:
                     # Let the shards in flight finish (their commits are valid), then fail.
@@ -306,10 +310,15 @@ class _Dispatcher:
                             task.label, actor_id, failures[index], reason)
                 pending.appendleft(index)
                 continue
-            for record in records:
+            if kind == "rows":
+                counted[index] += value
+                self.progress.advance(value)
+                continue
+            in_flight.pop(stream)
+            for record in value:
                 committed = CommittedFile(**record)
                 written[committed.path] = committed
-            self.progress.advance(task.num_rows)
+            self.progress.advance(task.num_rows - counted.pop(index, 0))
             self._idle.append(actor_id)
         if failure is not None:
             raise failure
@@ -364,7 +373,8 @@ class _Dispatcher:
                     continue
                 choice = first
             pending.remove(choice)
-            in_flight[self.actors[actor_id].run_task.remote(tasks[choice])] = (actor_id, choice)
+            stream = self.actors[actor_id].run_task_stream.options(num_returns="streaming").remote(tasks[choice])
+            in_flight[stream] = (actor_id, choice)
 
     def _replace(self, actor_id: int) -> None:
         handle = self.actors.pop(actor_id)
