@@ -20,7 +20,7 @@ TABLE_COLUMNS = (
     "NFE ratio [95% CI]",
 )
 # The table printed at the end of a run: what fits 100 columns (details in report.md).
-SUMMARY_COLUMNS = ("arm", "FID [95% CI]", "acc. len", "acc. rate", "speedup [95% CI]", "notes")
+SUMMARY_COLUMNS = ("arm", "FID [95% CI]", "acc.len", "acc.rate", "speedup [95% CI]", "notes")
 SUMMARY_WIDTH = 100
 FEW_MARK = "!"  # an interval that rests on too few batches or samples (report.md says why)
 
@@ -77,7 +77,7 @@ def _verdict_note(arm: dict[str, Any]) -> str:
     if arm.get("claimed_law") is None:
         return ""
     if not diff.get("same_law"):
-        return "no same-law arm"
+        return "no law match"
     spread = fid.get("seed_spread")
     within = diff.get("within_noise") and (spread is None or spread.get("within"))
     return "within noise" if within else "OUTSIDE noise"
@@ -99,7 +99,8 @@ def format_table(report: dict[str, Any], width: int = SUMMARY_WIDTH) -> str:
     rows = [list(SUMMARY_COLUMNS)] + summary_rows(report)
     widths = [max(len(r[i]) for r in rows) for i in range(len(SUMMARY_COLUMNS))]
     gaps = 2 * (len(widths) - 1)
-    for column, floor in ((5, len(SUMMARY_COLUMNS[5])), (0, 12)):  # the notes give way first, then arm names
+    # long arm names give way first (down to 16), then the notes, then the arm names again
+    for column, floor in ((0, 16), (5, len(SUMMARY_COLUMNS[5])), (0, 8)):
         excess = sum(widths) + gaps - width
         if excess > 0:
             widths[column] = max(floor, widths[column] - excess)
