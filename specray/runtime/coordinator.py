@@ -37,7 +37,8 @@ from specray.spec import JobSpec, SpecError, with_output
 log = logging.getLogger("specray.runtime")
 
 MANIFEST_FORMAT = 1
-STARVED_WARNING_S = 60.0
+FIRST_WAIT_NOTICE_S = 5.0  # say that the job waits for nodes this soon after it starts waiting
+STARVED_WARNING_S = 30.0  # then repeat it this often while nothing runs
 
 
 class ShardFailedError(RuntimeError):
@@ -141,6 +142,47 @@ def connect_ray(ray_address: str | None = None, num_cpus: int | None = None) -> 
     return True
 
 
+def actor_bundle(spec: JobSpec) -> dict[str, float]:
+    """What one generation actor asks the cluster for."""
+    bundle = {"CPU": spec.num_cpus_per_actor}
+    if spec.num_gpus_per_actor > 0:
+        bundle["GPU"] = spec.num_gpus_per_actor
+    return {k: v for k, v in bundle.items() if v > 0}
+
+
+def pool_size_for(spec: JobSpec, wanted: str | int, num_tasks: int, *, own_ray: bool,
+                  resources: dict[str, float]) -> int:
+    """How many generation actors to start.
+
+    ``actors: auto`` on a Ray instance of our own is what it offers (it cannot grow; nothing fitting
+    is refused now). On a cluster it is one actor per task still to run: the actors the cluster
+    cannot place yet wait, and the autoscaler is asked for them (:func:`request_capacity`), so
+    nodes that start later take work as they arrive. An explicit count is taken as given.
+    """
+    if wanted == "auto":
+        wanted = default_actor_count(spec, resources) if own_ray else num_tasks
+    return max(1, min(int(wanted), num_tasks))
+
+
+def request_capacity(spec: JobSpec, pool_size: int) -> None:
+    """Ask the cluster's autoscaler for one bundle per actor (replaces any earlier request of this driver)."""
+    from ray.autoscaler.sdk import request_resources
+
+    bundles = [actor_bundle(spec)] * pool_size
+    request_resources(bundles=bundles)
+    log.info("asked the autoscaler for %d x %s (one bundle per generation actor)", pool_size, bundles[0])
+
+
+def release_capacity() -> None:
+    """Withdraw this driver's request, so the autoscaler may scale the nodes down when they idle."""
+    from ray.autoscaler.sdk import request_resources
+
+    try:
+        request_resources(bundles=[])
+    except Exception as exc:  # the cluster may be gone; nothing to withdraw then
+        log.debug("could not withdraw the resource request: %s", exc)
+
+
 def default_actor_count(spec: JobSpec, resources: dict[str, float]) -> int:
     """As many actors as the cluster offers for the per-actor request."""
     if spec.num_gpus_per_actor > 0:
@@ -188,15 +230,17 @@ def run_job(spec: JobSpec, *, ray_address: str | None = None, num_cpus: int | No
     try:
         if tasks:
             wanted = actors if actors is not None else spec.actors
-            if wanted == "auto":
-                wanted = default_actor_count(spec, ray.cluster_resources())  # may refuse: nothing written yet
-            pool_size = min(int(wanted), len(tasks))
+            # may refuse (a Ray of our own that lacks the resources): nothing written yet
+            pool_size = pool_size_for(spec, wanted, len(tasks), own_ray=started_ray, resources=ray.cluster_resources())
+            if not started_ray:
+                request_capacity(spec, pool_size)
             if store.is_committed(MANIFEST_NAME):
                 store.delete(MANIFEST_NAME)  # the manifest means "complete"; it is not, until the end
         store.write_json(JOB_RECORD_NAME, job_record(spec, plan))
         if tasks:
             with Progress(total_rows, committed_rows, enabled=show_progress) as progress:
-                dispatcher = _Dispatcher(spec, storage_options, pool_size, progress)
+                dispatcher = _Dispatcher(spec, storage_options, pool_size, progress,
+                                         first_notice_s=STARVED_WARNING_S if started_ray else FIRST_WAIT_NOTICE_S)
                 try:
                     written = dispatcher.run(tasks)
                 finally:
@@ -205,6 +249,8 @@ def run_job(spec: JobSpec, *, ray_address: str | None = None, num_cpus: int | No
                 retries, replaced, devices = dispatcher.retries, dispatcher.replaced, dispatcher.devices
                 startup = dispatcher.startup_s
     finally:
+        if tasks and not started_ray and ray.is_initialized():
+            release_capacity()
         if started_ray:
             ray.shutdown()
 
@@ -231,8 +277,10 @@ class _Dispatcher:
     hostage: the others take the queue while it waits for resources.
     """
 
-    def __init__(self, spec: JobSpec, storage_options: dict[str, Any] | None, pool_size: int, progress: Progress):
+    def __init__(self, spec: JobSpec, storage_options: dict[str, Any] | None, pool_size: int, progress: Progress,
+                 first_notice_s: float = STARVED_WARNING_S):
         self.spec = spec
+        self.first_notice_s = first_notice_s  # on a cluster, say soon that the job waits for nodes
         self.storage_options = storage_options
         self.progress = progress
         self.retries = 0
@@ -244,6 +292,7 @@ class _Dispatcher:
         self._starting: dict[Any, int] = {}  # info ref -> actor id, until the actor is placed and constructed
         self._idle: collections.deque[int] = collections.deque()
         self._start_failures = 0
+        self._said_waiting = False
         self._created = time.monotonic()
         self.startup_s = 0.0
         self._max_start_failures = 3 * pool_size + spec.max_shard_retries
@@ -385,12 +434,17 @@ class _Dispatcher:
         self._start_actor()
 
     def _warn_if_starved(self, in_flight: dict[Any, tuple[int, int]], since: float) -> float:
-        """Nothing finished for a while and nothing runs: say that the job waits for cluster resources."""
-        if in_flight or time.monotonic() - since < STARVED_WARNING_S:
+        """Nothing runs: say that the job waits for the cluster to place its actors (soon, then now and then)."""
+        waited = time.monotonic() - since
+        first = not self._said_waiting
+        if in_flight or waited < (self.first_notice_s if first else STARVED_WARNING_S):
             return since
-        log.warning("no generation actor is running: %d actors wait to be placed (the cluster lacks the "
-                    "resources they ask for: num_cpus=%s, num_gpus=%s); available: %s", len(self._starting),
-                    self.spec.num_cpus_per_actor, self.spec.num_gpus_per_actor, ray.available_resources())
+        self._said_waiting = True
+        placed = len(self.actors) - len(self._starting)
+        log.warning("waiting for the cluster: %d of %d generation actors placed, %d wait for a node with %s free "
+                    "(the autoscaler was asked for them; nodes may take minutes to start); available now: %s",
+                    placed, len(self.actors), len(self._starting), actor_bundle(self.spec),
+                    _short_resources(ray.available_resources()))
         return time.monotonic()
 
     def shutdown(self) -> None:
@@ -399,6 +453,11 @@ class _Dispatcher:
         self.actors.clear()
         self._starting.clear()
         self._idle.clear()
+
+
+def _short_resources(resources: dict[str, float]) -> dict[str, float]:
+    """CPU, GPU and memory of a resource dict (not Ray's per-node bookkeeping entries)."""
+    return {k: round(v, 2) for k, v in resources.items() if k in ("CPU", "GPU") or k.startswith("accelerator_type")}
 
 
 def _short_error(exc: BaseException) -> str:
