@@ -132,13 +132,15 @@ def demo_arms() -> list[SyntheticArm]:
     digits images, with per-family speeds and acceptance counters; CSpD arms carry resampling counters."""
     from specray.spec import builtin_demo_job
 
+    per_sample = {"discrete_ar": 0.01, "continuous_ar": 0.02, "diffusion": 0.05}  # each family's target cost
     arms = []
     for i, arm in enumerate(builtin_demo_job().arms):
         speculative = arm.method != "target_only"
+        base = per_sample[arm.family]
         params = {**arm.params, **({"seed_offset": arm.seed_offset} if arm.seed_offset else {})}
         extra = {"resampled_tokens": 10, "resample_cap_hits": 1 + i % 2} if arm.method == "cspd" else {}
         arms.append(SyntheticArm(arm.name, method=arm.method, family=arm.family, params=params,
-                                 image_offset=97 * i, seconds_per_sample=0.01 / (1.0 + 0.1 * i) if speculative else 0.01,
+                                 image_offset=97 * i, seconds_per_sample=base / (1.0 + 0.1 * i) if speculative else base,
                                  accepted_per_position=[6, 4, 2, 1] if speculative else [],
                                  spec_steps=8 if speculative else 0, extra=extra))
     return arms
