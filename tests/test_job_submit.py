@@ -157,8 +157,8 @@ def readme_submit_lines() -> tuple[str, str]:
 def test_readme_recipe_names_the_runtime_env_and_token_mode():
     export, submit = readme_submit_lines()
     assert "RAY_AUTH_MODE=token" in export and "http://127.0.0.1:8265" in export
-    assert "--runtime-env jobs/runtime_env.yaml" in submit and "-- python jobs/submit.py jobs/fid50k.yaml" in submit
-    runtime_env = yaml.safe_load((REPO_ROOT / "jobs" / "runtime_env.yaml").read_text())
+    assert "--runtime-env runtime_env.yaml" in submit and "-- python jobs/submit.py jobs/fid50k.yaml" in submit
+    runtime_env = yaml.safe_load((REPO_ROOT / "runtime_env.yaml").read_text())
     assert runtime_env["working_dir"] == "." and runtime_env["pip"]["packages"] == ["${RAY_RUNTIME_ENV_CREATE_WORKING_DIR}"]
 
 
