@@ -142,6 +142,13 @@ def connect_ray(ray_address: str | None = None, num_cpus: int | None = None) -> 
     return True
 
 
+def _started_by_this_process() -> bool:
+    """Whether this process's ``ray.init`` started the Ray instance it is connected to (a fixed local
+    instance: no autoscaler, nothing to wait for) rather than joining a cluster."""
+    node = getattr(ray._private.worker, "_global_node", None)
+    return bool(node is not None and getattr(node, "head", False))
+
+
 def actor_bundle(spec: JobSpec) -> dict[str, float]:
     """What one generation actor asks the cluster for."""
     bundle = {"CPU": spec.num_cpus_per_actor}
@@ -226,13 +233,15 @@ def run_job(spec: JobSpec, *, ray_address: str | None = None, num_cpus: int | No
 
     written: dict[str, CommittedFile] = {}
     retries, replaced, pool_size, devices, startup = 0, 0, 0, [], 0.0
+    own_ray = True
     started_ray = connect_ray(ray_address, num_cpus) if tasks else False
     try:
         if tasks:
             wanted = actors if actors is not None else spec.actors
+            own_ray = started_ray or _started_by_this_process()
             # may refuse (a Ray of our own that lacks the resources): nothing written yet
-            pool_size = pool_size_for(spec, wanted, len(tasks), own_ray=started_ray, resources=ray.cluster_resources())
-            if not started_ray:
+            pool_size = pool_size_for(spec, wanted, len(tasks), own_ray=own_ray, resources=ray.cluster_resources())
+            if not own_ray:
                 request_capacity(spec, pool_size)
             if store.is_committed(MANIFEST_NAME):
                 store.delete(MANIFEST_NAME)  # the manifest means "complete"; it is not, until the end
@@ -240,7 +249,7 @@ def run_job(spec: JobSpec, *, ray_address: str | None = None, num_cpus: int | No
         if tasks:
             with Progress(total_rows, committed_rows, enabled=show_progress) as progress:
                 dispatcher = _Dispatcher(spec, storage_options, pool_size, progress,
-                                         first_notice_s=STARVED_WARNING_S if started_ray else FIRST_WAIT_NOTICE_S)
+                                         first_notice_s=STARVED_WARNING_S if own_ray else FIRST_WAIT_NOTICE_S)
                 try:
                     written = dispatcher.run(tasks)
                 finally:
@@ -249,7 +258,7 @@ def run_job(spec: JobSpec, *, ray_address: str | None = None, num_cpus: int | No
                 retries, replaced, devices = dispatcher.retries, dispatcher.replaced, dispatcher.devices
                 startup = dispatcher.startup_s
     finally:
-        if tasks and not started_ray and ray.is_initialized():
+        if tasks and not own_ray and ray.is_initialized():
             release_capacity()
         if started_ray:
             ray.shutdown()
