@@ -65,7 +65,10 @@ def main() -> None:
     from specray.runtime.coordinator import run_job
     from specray.spec import load_job
 
-    spec = load_job(args.job, per_class=args.per_class, output=args.output)
+    import torch
+
+    gpus = {} if torch.cuda.is_available() else {"num_gpus_per_actor": 0}  # the job asks for GPUs; run on CPUs here
+    spec = load_job(args.job, per_class=args.per_class, output=args.output, **gpus)
     rss_before = current_rss_mb()
     sampler = RssSampler()
     sampler.start()

@@ -133,13 +133,16 @@ def _preset_names() -> list[str]:
     return all_preset_names()
 
 
-@specray.command()
+@specray.command(epilog="Presets: " + ", ".join(_preset_names()) + ".")
 @click.argument("preset", default="all", type=click.Choice(["all", *_preset_names()]))
 @click.option("--out-dir", type=click.Path(file_okay=False), help="Where to write weights (default: the "
                                                                   "package's presets/weights).")
 @click.option("--seed", type=int, default=0, show_default=True)
 def train(preset: str, out_dir: str | None, seed: int) -> None:
-    """Reproduce PRESET's weights (or every preset with 'all') with its family's trainer."""
+    """Reproduce PRESET's weights (or every preset with 'all') with its family's trainer.
+
+    PRESET is 'all' or one of the presets listed below.
+    """
     from specray.models.presets import WEIGHTS_DIR
     from specray.models.presets import train as presets_train
 

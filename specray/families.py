@@ -92,6 +92,14 @@ class Family:
         """``method``'s validated parameters (raises ParamError naming the bad field)."""
         return self.method(method).params.parse(raw)
 
+    def target_law(self, method: str, params: Mapping[str, Any] | MethodParams | None) -> dict[str, Any] | None:
+        """The ``target_only`` parameters whose law ``method`` with ``params`` claims (None: no claim, or the
+        family has no ``target_only``)."""
+        if "target_only" not in self.methods:
+            return None
+        typed = params if isinstance(params, MethodParams) else self.parse_params(method, params)
+        return typed.target_law(self.methods["target_only"].params)
+
     def model_format(self, name: str) -> ModelFormat:
         try:
             return self.formats[name]

@@ -595,7 +595,7 @@ def _eval(path: str, raw: Any, arms: tuple[ArmSpec, ...]) -> EvalSpec:
     fid = raw.get("fid", True)
     if not isinstance(fid, bool):
         raise SpecError(f"{path}.fid", f"must be true or false, got {fid!r}")
-    reference = _string(f"{path}.reference", raw.get("reference", "digits"))
+    reference = _reference(f"{path}.reference", raw.get("reference", "digits"))
     names = [a.name for a in arms]
     baseline = raw.get("baseline")
     if baseline is None:
@@ -613,6 +613,18 @@ def _eval(path: str, raw: Any, arms: tuple[ArmSpec, ...]) -> EvalSpec:
     except ParamError as exc:
         raise SpecError(f"{path}.options" + (f".{exc.field}" if exc.field else ""), exc.message) from None
     return EvalSpec(fid=fid, reference=reference, baseline=baseline, options=_plain(options))
+
+
+def _reference(path: str, value: Any) -> str:
+    """FID reference statistics the reducer can read (checked now, not after generation)."""
+    from specray.eval.options import check_reference
+
+    reference = _string(path, value)
+    try:
+        check_reference(reference)
+    except ValueError as exc:
+        raise SpecError(path, str(exc)) from None
+    return reference
 
 
 # ---------------------------------------------------------------- field checks

@@ -113,7 +113,7 @@ def test_the_runtime_runs_it_and_the_reducer_reads_its_flag(toy, tmp_path):
     finally:
         ray.shutdown()
     assert result.manifest["num_rows"] == 20
-    rows = pq.read_table(tmp_path / "run" / "samples" / "arm=toy").to_pylist()
+    rows = pq.read_table(tmp_path / "run" / "samples" / "toy").to_pylist()
     assert len(rows) == 10 and {r["method"] for r in rows} == {"reject_all"}
     for row in rows:  # every draft rejected: one target call per token after the first
         assert row["num_accepted_draft_tokens"] == 0 and row["num_draft_tokens"] > 0

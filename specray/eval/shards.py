@@ -51,6 +51,11 @@ class RunManifest:
                 names.append(entry.arm)
         return names
 
+    @property
+    def num_rows(self) -> int:
+        """Rows in the shards the manifest lists."""
+        return sum(max(entry.rows, 0) for entry in self.shards)
+
     def arm_info(self, name: str) -> dict[str, Any]:
         for arm in self.raw.get("arms", []):
             if arm.get("name") == name:

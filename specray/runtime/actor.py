@@ -113,10 +113,24 @@ class ShardWorker:
 
     def run_task(self, task: ShardTask) -> list[dict[str, Any]]:
         """Generate every arm of ``task`` on its shard and commit the files; returns their records."""
+        for kind, value in self.run_task_stream(task):
+            if kind == "done":
+                return value
+        raise RuntimeError(f"{task.label}: the task ended without committing")  # unreachable
+
+    def run_task_stream(self, task: ShardTask):
+        """:meth:`run_task` as a stream: ``("rows", n)`` after each batch of each arm (progress), then
+        ``("done", records)``. The coordinator calls it as a Ray streaming generator."""
         if self._broken is not None:
             raise DeviceFailure(f"actor {self.actor} had a device failure earlier ({self._broken}); not reusing it")
         try:
-            return [f.to_dict() for f in self._run(task)]
+            steps = self._run(task)
+            while True:
+                try:
+                    yield "rows", next(steps)
+                except StopIteration as finished:
+                    yield "done", [f.to_dict() for f in finished.value]
+                    return
         except BaseException as exc:
             if is_fatal_device_error(exc):
                 self._broken = f"{type(exc).__name__}: {exc}"
@@ -146,7 +160,8 @@ class ShardWorker:
             torch.cuda.synchronize(pair.device)
         return result, time.perf_counter() - began
 
-    def _run(self, task: ShardTask) -> list[CommittedFile]:
+    def _run(self, task: ShardTask):
+        """A generator: yields the rows of each batch as it is done, returns the committed files."""
         relpaths = {arm.name: shard_relpath(arm.name, task.shard.index, task.shard.num_shards) for arm in task.arms}
         # A retry after a death between commit and reply finds some files already there: they hold
         # exactly what this run would write (samples are pure functions of seed and id), so keep them.
@@ -164,6 +179,7 @@ class ShardWorker:
             for arm in arms:
                 result, wall = self._timed_batch(run_batch, arm, pair, labels, sample_ids)
                 rows[arm.name].extend(self._rows(arm, result, wall, sample_ids, labels))
+                yield len(sample_ids)
         for arm in arms:
             done[arm.name] = self.store.write_shard(relpaths[arm.name], rows_to_table(rows.pop(arm.name)))
         return [done[arm.name] for arm in task.arms]

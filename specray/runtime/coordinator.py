@@ -29,7 +29,7 @@ import torch
 
 import specray
 from specray.runtime import fs as storage
-from specray.runtime.plan import ShardPlan, ShardTask, shard_relpath
+from specray.runtime.plan import SAMPLES_DIR, ShardPlan, ShardTask, shard_relpath
 from specray.runtime.progress import Progress
 from specray.runtime.store import JOB_RECORD_NAME, MANIFEST_NAME, CommittedFile, RunStore
 from specray.spec import JobSpec, SpecError, with_output
@@ -37,7 +37,8 @@ from specray.spec import JobSpec, SpecError, with_output
 log = logging.getLogger("specray.runtime")
 
 MANIFEST_FORMAT = 1
-STARVED_WARNING_S = 60.0
+FIRST_WAIT_NOTICE_S = 5.0  # say that the job waits for nodes this soon after it starts waiting
+STARVED_WARNING_S = 30.0  # then repeat it this often while nothing runs
 
 
 class ShardFailedError(RuntimeError):
@@ -84,6 +85,10 @@ def check_resume(spec: JobSpec, plan: ShardPlan, store: RunStore) -> dict[str, A
                                       "it is not a specray run of this job. Choose another output")
         return None
     where = f"output {spec.output!r} holds a run of a different job"
+    if any(path.startswith(f"{SAMPLES_DIR}/arm=") for path in store.list_files(SAMPLES_DIR)):
+        raise SpecError("output", f"output {spec.output!r} holds a run written with samples/arm=<arm>/ folders "
+                                  "by an earlier specray; this one writes samples/<arm>/, and resuming would "
+                                  "leave both. Choose another output (the old run still reduces as it is)")
     if previous.get("format") != MANIFEST_FORMAT:
         raise SpecError("output", f"{where} (record format {previous.get('format')}); choose another output")
     old, new = previous["sample_determining"], spec.sample_determining()
@@ -137,6 +142,54 @@ def connect_ray(ray_address: str | None = None, num_cpus: int | None = None) -> 
     return True
 
 
+def _started_by_this_process() -> bool:
+    """Whether this process's ``ray.init`` started the Ray instance it is connected to (a fixed local
+    instance: no autoscaler, nothing to wait for) rather than joining a cluster."""
+    node = getattr(ray._private.worker, "_global_node", None)
+    return bool(node is not None and getattr(node, "head", False))
+
+
+def actor_bundle(spec: JobSpec) -> dict[str, float]:
+    """What one generation actor asks the cluster for."""
+    bundle = {"CPU": spec.num_cpus_per_actor}
+    if spec.num_gpus_per_actor > 0:
+        bundle["GPU"] = spec.num_gpus_per_actor
+    return {k: v for k, v in bundle.items() if v > 0}
+
+
+def pool_size_for(spec: JobSpec, wanted: str | int, num_tasks: int, *, own_ray: bool,
+                  resources: dict[str, float]) -> int:
+    """How many generation actors to start.
+
+    ``actors: auto`` on a Ray instance of our own is what it offers (it cannot grow; nothing fitting
+    is refused now). On a cluster it is one actor per task still to run: the actors the cluster
+    cannot place yet wait, and the autoscaler is asked for them (:func:`request_capacity`), so
+    nodes that start later take work as they arrive. An explicit count is taken as given.
+    """
+    if wanted == "auto":
+        wanted = default_actor_count(spec, resources) if own_ray else num_tasks
+    return max(1, min(int(wanted), num_tasks))
+
+
+def request_capacity(spec: JobSpec, pool_size: int) -> None:
+    """Ask the cluster's autoscaler for one bundle per actor (replaces any earlier request of this driver)."""
+    from ray.autoscaler.sdk import request_resources
+
+    bundles = [actor_bundle(spec)] * pool_size
+    request_resources(bundles=bundles)
+    log.info("asked the autoscaler for %d x %s (one bundle per generation actor)", pool_size, bundles[0])
+
+
+def release_capacity() -> None:
+    """Withdraw this driver's request, so the autoscaler may scale the nodes down when they idle."""
+    from ray.autoscaler.sdk import request_resources
+
+    try:
+        request_resources(bundles=[])
+    except Exception as exc:  # the cluster may be gone; nothing to withdraw then
+        log.debug("could not withdraw the resource request: %s", exc)
+
+
 def default_actor_count(spec: JobSpec, resources: dict[str, float]) -> int:
     """As many actors as the cluster offers for the per-actor request."""
     if spec.num_gpus_per_actor > 0:
@@ -180,19 +233,23 @@ def run_job(spec: JobSpec, *, ray_address: str | None = None, num_cpus: int | No
 
     written: dict[str, CommittedFile] = {}
     retries, replaced, pool_size, devices, startup = 0, 0, 0, [], 0.0
+    own_ray = True
     started_ray = connect_ray(ray_address, num_cpus) if tasks else False
     try:
         if tasks:
             wanted = actors if actors is not None else spec.actors
-            if wanted == "auto":
-                wanted = default_actor_count(spec, ray.cluster_resources())  # may refuse: nothing written yet
-            pool_size = min(int(wanted), len(tasks))
+            own_ray = started_ray or _started_by_this_process()
+            # may refuse (a Ray of our own that lacks the resources): nothing written yet
+            pool_size = pool_size_for(spec, wanted, len(tasks), own_ray=own_ray, resources=ray.cluster_resources())
+            if not own_ray:
+                request_capacity(spec, pool_size)
             if store.is_committed(MANIFEST_NAME):
                 store.delete(MANIFEST_NAME)  # the manifest means "complete"; it is not, until the end
         store.write_json(JOB_RECORD_NAME, job_record(spec, plan))
         if tasks:
             with Progress(total_rows, committed_rows, enabled=show_progress) as progress:
-                dispatcher = _Dispatcher(spec, storage_options, pool_size, progress)
+                dispatcher = _Dispatcher(spec, storage_options, pool_size, progress,
+                                         first_notice_s=STARVED_WARNING_S if own_ray else FIRST_WAIT_NOTICE_S)
                 try:
                     written = dispatcher.run(tasks)
                 finally:
@@ -201,6 +258,8 @@ def run_job(spec: JobSpec, *, ray_address: str | None = None, num_cpus: int | No
                 retries, replaced, devices = dispatcher.retries, dispatcher.replaced, dispatcher.devices
                 startup = dispatcher.startup_s
     finally:
+        if tasks and not own_ray and ray.is_initialized():
+            release_capacity()
         if started_ray:
             ray.shutdown()
 
@@ -227,8 +286,10 @@ class _Dispatcher:
     hostage: the others take the queue while it waits for resources.
     """
 
-    def __init__(self, spec: JobSpec, storage_options: dict[str, Any] | None, pool_size: int, progress: Progress):
+    def __init__(self, spec: JobSpec, storage_options: dict[str, Any] | None, pool_size: int, progress: Progress,
+                 first_notice_s: float = STARVED_WARNING_S):
         self.spec = spec
+        self.first_notice_s = first_notice_s  # on a cluster, say soon that the job waits for nodes
         self.storage_options = storage_options
         self.progress = progress
         self.retries = 0
@@ -240,6 +301,7 @@ class _Dispatcher:
         self._starting: dict[Any, int] = {}  # info ref -> actor id, until the actor is placed and constructed
         self._idle: collections.deque[int] = collections.deque()
         self._start_failures = 0
+        self._said_waiting = False
         self._created = time.monotonic()
         self.startup_s = 0.0
         self._max_start_failures = 3 * pool_size + spec.max_shard_retries
@@ -262,7 +324,9 @@ class _Dispatcher:
         pending = collections.deque(range(len(tasks)))
         failures: dict[int, int] = collections.Counter()
         avoid: dict[int, set[int]] = collections.defaultdict(set)  # task -> actors it failed on
-        in_flight: dict[Any, tuple[int, int]] = {}  # ref -> (actor id, task index)
+        # A task runs as a Ray streaming generator: ("rows", n) per batch of each arm, then ("done", records).
+        in_flight: dict[Any, tuple[int, int]] = {}  # generator -> (actor id, task index)
+        counted: dict[int, int] = collections.Counter()  # task -> rows shown as done before it committed
         written: dict[str, CommittedFile] = {}
         failure: ShardFailedError | None = None
         waiting_since = time.monotonic()
@@ -275,20 +339,22 @@ class _Dispatcher:
                 waiting_since = self._warn_if_starved(in_flight, waiting_since)
                 continue
             waiting_since = time.monotonic()
-            ref = ready[0]
-            if ref in self._starting:
-                self._on_started(ref)
+            if ready[0] in self._starting:
+                self._on_started(ready[0])
                 continue
-            actor_id, index = in_flight.pop(ref)
+            stream = ready[0]
+            actor_id, index = in_flight[stream]
             task = tasks[index]
             try:
-                records = ray.get(ref)
-            except ray.exceptions.RayError as exc:
+                kind, value = ray.get(next(stream))
+            except (ray.exceptions.RayError, StopIteration) as exc:
+                in_flight.pop(stream)
+                self.progress.retract(counted.pop(index, 0))  # those rows run again
                 failures[index] += 1
                 self.retries += 1
                 self.progress.retry()
                 avoid[index].add(actor_id)
-                reason = _short_error(exc)
+                reason = _short_error(exc) if isinstance(exc, ray.exceptions.RayError) else "the task ended early"
                 self._after_failure(actor_id, task, exc, reason)
                 if failures[index] > self.spec.max_shard_retries:
                     # Let the shards in flight finish (their commits are valid), then fail.
@@ -302,10 +368,15 @@ class _Dispatcher:
                             task.label, actor_id, failures[index], reason)
                 pending.appendleft(index)
                 continue
-            for record in records:
+            if kind == "rows":
+                counted[index] += value
+                self.progress.advance(value)
+                continue
+            in_flight.pop(stream)
+            for record in value:
                 committed = CommittedFile(**record)
                 written[committed.path] = committed
-            self.progress.advance(task.num_rows)
+            self.progress.advance(task.num_rows - counted.pop(index, 0))
             self._idle.append(actor_id)
         if failure is not None:
             raise failure
@@ -360,7 +431,8 @@ class _Dispatcher:
                     continue
                 choice = first
             pending.remove(choice)
-            in_flight[self.actors[actor_id].run_task.remote(tasks[choice])] = (actor_id, choice)
+            stream = self.actors[actor_id].run_task_stream.options(num_returns="streaming").remote(tasks[choice])
+            in_flight[stream] = (actor_id, choice)
 
     def _replace(self, actor_id: int) -> None:
         handle = self.actors.pop(actor_id)
@@ -371,12 +443,17 @@ class _Dispatcher:
         self._start_actor()
 
     def _warn_if_starved(self, in_flight: dict[Any, tuple[int, int]], since: float) -> float:
-        """Nothing finished for a while and nothing runs: say that the job waits for cluster resources."""
-        if in_flight or time.monotonic() - since < STARVED_WARNING_S:
+        """Nothing runs: say that the job waits for the cluster to place its actors (soon, then now and then)."""
+        waited = time.monotonic() - since
+        first = not self._said_waiting
+        if in_flight or waited < (self.first_notice_s if first else STARVED_WARNING_S):
             return since
-        log.warning("no generation actor is running: %d actors wait to be placed (the cluster lacks the "
-                    "resources they ask for: num_cpus=%s, num_gpus=%s); available: %s", len(self._starting),
-                    self.spec.num_cpus_per_actor, self.spec.num_gpus_per_actor, ray.available_resources())
+        self._said_waiting = True
+        placed = len(self.actors) - len(self._starting)
+        log.warning("waiting for the cluster: %d of %d generation actors placed, %d wait for a node with %s free "
+                    "(the autoscaler was asked for them; nodes may take minutes to start); available now: %s",
+                    placed, len(self.actors), len(self._starting), actor_bundle(self.spec),
+                    _short_resources(ray.available_resources()))
         return time.monotonic()
 
     def shutdown(self) -> None:
@@ -385,6 +462,11 @@ class _Dispatcher:
         self.actors.clear()
         self._starting.clear()
         self._idle.clear()
+
+
+def _short_resources(resources: dict[str, float]) -> dict[str, float]:
+    """CPU, GPU and memory of a resource dict (not Ray's per-node bookkeeping entries)."""
+    return {k: round(v, 2) for k, v in resources.items() if k in ("CPU", "GPU") or k.startswith("accelerator_type")}
 
 
 def _short_error(exc: BaseException) -> str:

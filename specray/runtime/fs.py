@@ -474,7 +474,8 @@ def _is_credential_key(name: Any) -> bool:
     words = _key_words(name)
     if "_".join(words) in _CREDENTIAL_EXACT_KEYS:
         return True
-    if any(w in _CREDENTIAL_WORDS for w in words):
+    # "<quantity> per token" (nats_per_token, ms_per_token) is a unit, not a credential
+    if any(w in _CREDENTIAL_WORDS and not (i and words[i - 1] == "per") for i, w in enumerate(words)):
         return True
     return any(pair in _CREDENTIAL_WORD_PAIRS for pair in zip(words, words[1:]))
 

@@ -2,7 +2,8 @@
 
 A run directory (local path or ``s3://`` URI) holds
 
-- ``samples/arm=<arm>/shard-<k>-of-<K>.parquet`` -- one file per (arm, shard);
+- ``samples/<arm>/shard-<k>-of-<K>.parquet`` -- one file per (arm, shard); ``samples/`` is one
+  Parquet dataset (pandas, pyarrow, duckdb and ``datasets`` read it in one call);
 - ``_job.json`` -- written when a run starts: the spec and its fingerprint, so a
   rerun can check it may resume here;
 - ``_manifest.json`` -- written LAST, after every shard is committed.
