@@ -16,7 +16,9 @@ EXIT_BAD_INPUT = 2
 
 
 def _fail(message: str, code: int = EXIT_BAD_INPUT) -> None:
-    click.echo(f"error: {message}", err=True)
+    from specray.urls import redact_urls
+
+    click.echo(f"error: {redact_urls(message)}", err=True)  # a URL's user:password never reaches the terminal
     sys.exit(code)
 
 
