@@ -28,7 +28,7 @@ from specray.methods.params import Gamma, MethodParams
 from specray.models.pair import ModelPair
 from specray.runtime.images import encode_png
 from specray.runtime.plan import ShardPlan, shard_relpath
-from specray.runtime.store import SAMPLE_SCHEMA, TEMP_MARKER
+from specray.runtime.store import SAMPLE_SCHEMA, TEMP_MARKER, TEMP_TAG_PREFIX
 from specray.spec import SpecError, load_job
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -337,7 +337,12 @@ def test_resume_recomputes_only_the_missing_shard(reference_run, tmp_path):
     missing = out / shard_relpath("fake_sd", 1, 3)
     missing.unlink()
     (out / "_manifest.json").unlink()  # as after a crash: the manifest is written last
-    (out / "samples" / "arm=fake_sd" / f".shard-00001-of-00003.parquet{TEMP_MARKER}dead").write_bytes(b"partial")
+    # A writer of this job killed mid-commit leaves a temp named with the job's fingerprint; another
+    # program's dot-file that merely looks like a temp is not the run's to remove.
+    tag = f"{TEMP_TAG_PREFIX}{load_job(fake_job(out)).fingerprint()}"
+    (out / "samples" / "arm=fake_sd" / f".shard-00001-of-00003.parquet{TEMP_MARKER}{tag}-{'0' * 32}").write_bytes(b"partial")
+    foreign = out / "samples" / "arm=fake_sd" / f".notes{TEMP_MARKER}dead"
+    foreign.write_bytes(b"not ours")
     untouched = {p: p.stat().st_mtime_ns for p in (out / "samples").rglob("*.parquet")}
 
     result = run(fake_job(out))
@@ -346,7 +351,8 @@ def test_resume_recomputes_only_the_missing_shard(reference_run, tmp_path):
     assert missing.exists() and (out / "_manifest.json").exists()
     assert {p: p.stat().st_mtime_ns for p in untouched} == untouched
     assert images_by_key(out) == before
-    assert not [f for f in all_files(out) if TEMP_MARKER in f]  # the crashed writer's temp file is gone
+    assert [f for f in all_files(out) if TEMP_MARKER in f] == [str(foreign.relative_to(out))]  # ours is gone
+    foreign.unlink()
 
     again = run(fake_job(out))  # a complete run: nothing to do, manifest rewritten
     assert again.tasks_run == 0 and again.manifest["num_rows"] == 48

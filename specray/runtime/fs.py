@@ -251,11 +251,17 @@ def _fsync_directory(directory: str) -> None:
         os.close(fd)
 
 
+def temp_name(name: str, tag: str = "") -> str:
+    """The dot-prefixed temp name a writer of ``name`` uses; ``tag`` (a run's identity) lets that run
+    recognise its own leftovers and leave every other file alone."""
+    return f".{name}.tmp-{tag + '-' if tag else ''}{uuid.uuid4().hex}"
+
+
 @contextlib.contextmanager
-def _local_atomic_writer(path: str) -> Iterator[IO[bytes]]:
+def _local_atomic_writer(path: str, tag: str = "") -> Iterator[IO[bytes]]:
     directory, name = os.path.split(path)
     os.makedirs(directory, exist_ok=True)
-    tmp_path = os.path.join(directory, f".{name}.tmp-{uuid.uuid4().hex}")
+    tmp_path = os.path.join(directory, temp_name(name, tag))
     try:
         with open(tmp_path, "wb") as handle:
             yield handle
@@ -286,16 +292,18 @@ def _s3_atomic_writer(fs: fsspec.AbstractFileSystem, path: str, block_size: int 
 
 @contextlib.contextmanager
 def atomic_writer(
-    uri: str, storage_options: Mapping[str, Any] | None = None, *, block_size: int | None = None
+    uri: str, storage_options: Mapping[str, Any] | None = None, *, block_size: int | None = None,
+    temp_tag: str = "",
 ) -> Iterator[IO[bytes]]:
     """Binary file object whose content becomes visible at ``uri`` only if the block exits normally.
 
     Do not call ``close()`` on the yielded object yourself. ``block_size`` is the S3 multipart part
-    size (>= 5 MiB; s3fs default otherwise); it is ignored for local paths.
+    size (>= 5 MiB; s3fs default otherwise); it is ignored for local paths, where ``temp_tag`` goes
+    into the temp file's name (see :func:`temp_name`).
     """
     fs, path = resolve(uri, storage_options)
     if isinstance(fs, LocalFileSystem):
-        with _local_atomic_writer(path) as handle:
+        with _local_atomic_writer(path, temp_tag) as handle:
             yield handle
     else:
         with _s3_atomic_writer(fs, path, block_size) as handle:
