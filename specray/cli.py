@@ -176,22 +176,31 @@ def _require_manifest(run_dir: str, storage_options: dict | None = None) -> None
         _fail(f"RUN: {run_dir!r} has no {MANIFEST_NAME}: not a finished specray run (rerun its job to finish it)")
 
 
-def _reduce(run_dir: str, storage_options: dict | None = None) -> dict:
+def _reduce(run_dir: str, storage_options: dict | None = None, partial: bool = False) -> dict:
     from specray.eval.checks import RunCheckError
     from specray.eval.reduce import reduce_run
+    from specray.eval.shards import ManifestError
+    from specray.runtime.fs import StorageError
 
-    _require_manifest(run_dir, storage_options)
     try:
-        return reduce_run(run_dir, print_table=True, storage_options=storage_options)
-    except RunCheckError as exc:
+        _require_manifest(run_dir, storage_options)
+        report = reduce_run(run_dir, print_table=True, storage_options=storage_options, partial=partial)
+    except (RunCheckError, ManifestError, StorageError) as exc:
         _fail(f"RUN: {run_dir!r} refused before scoring: {exc}")
+    if report.get("partial"):
+        missing = report["partial"]["missing"]
+        click.echo(f"partial report: {len(missing)} shard file(s) not scored (listed in report.md and report.json)",
+                   err=True)
+    return report
 
 
 @specray.command()
 @click.argument("run_dir")
-def reduce(run_dir: str) -> None:
-    """Compute FID and speedup of a finished run and write RUN_DIR/report/."""
-    _reduce(run_dir)
+@click.option("--partial", is_flag=True, help="Score the shard files that pass verification and list the missing "
+                                              "or damaged ones in the report, instead of refusing the run.")
+def reduce(run_dir: str, partial: bool) -> None:
+    """Verify every shard file of a finished run, then compute FID and speedup and write RUN_DIR/report/."""
+    _reduce(run_dir, partial=partial)
 
 
 @specray.command()

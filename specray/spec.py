@@ -369,6 +369,9 @@ def parse_job(data: Mapping[str, Any]) -> JobSpec:
     conditions = _conditions("conditions", data.get("conditions", {}), arms)
     _check_sizes(conditions, arms, batch_size, shard_batches, "shard_size" in data)
     eval_spec = _eval("eval", data.get("eval", {}), arms)
+    if eval_spec.fid and conditions.num_samples < 2:
+        raise SpecError("conditions.per_class", f"{conditions.num_samples} sample per arm; FID needs at least 2 "
+                                                "(raise per_class, or set eval.fid: false)")
     storage_options = _storage_options("storage_options", data.get("storage_options"))
     spec = JobSpec(
         job_id=job_id, seed=seed, output=output, conditions=conditions, arms=arms,
