@@ -66,8 +66,6 @@ def run(job_file: str | None, output: str | None, num_cpus: int | None, actors: 
 
     This is also what `ray job submit ... -- python jobs/submit.py JOB_FILE` runs on a cluster.
     """
-    from specray.runtime.coordinator import ShardFailedError, run_job
-
     if num_cpus is not None and num_cpus < 1:
         _fail(f"--num-cpus: must be an integer >= 1, got {num_cpus}")
     try:
@@ -75,6 +73,8 @@ def run(job_file: str | None, output: str | None, num_cpus: int | None, actors: 
                      batch_size=batch_size, seed=seed)
     except SpecError as exc:
         _fail(str(exc))
+    # Only now torch and Ray: a refused job costs a torch-free validation, not their start-up.
+    from specray.runtime.coordinator import ShardFailedError, run_job
     if "://" not in spec.output and not os.path.isabs(spec.output) and os.environ.get("RAY_JOB_SUBMISSION_ID"):
         logging.getLogger("specray").warning(
             "output %r is relative: it lands in this job's working directory on the head node; pass --output "

@@ -57,7 +57,13 @@ class Flaky(MethodParams):
     times: int = 1
 
 
+UNLOADABLE = "fake-unloadable"  # a preset whose loader refuses it, the same way on every actor
+
+
 def load_pair(target: str, draft: str | None, device: torch.device) -> ModelPair:
+    if UNLOADABLE in (target, draft):
+        raise ValueError(f"{UNLOADABLE}: the loader refuses this checkpoint (unsupported key layout)")
+
     def model(seed: int) -> torch.nn.Module:
         torch.manual_seed(seed)
         return torch.nn.Linear(NUM_CLASSES, IMAGE_SIDE * IMAGE_SIDE * LEVELS).to(device)
@@ -116,7 +122,7 @@ def install_fake_family() -> None:
 
     _load_all()
     register_family(FAKE)
-    for name, role in (("fake-target", "target"), ("fake-draft", "draft")):
+    for name, role in (("fake-target", "target"), ("fake-draft", "draft"), (UNLOADABLE, "target")):
         PRESETS.setdefault(name, Preset(name, FAKE_FAMILY, role, {"num_classes": NUM_CLASSES}))
 
 
@@ -124,8 +130,8 @@ def uninstall_fake_family() -> None:
     from specray.models.presets import PRESETS
 
     unregister_family(FAKE_FAMILY)
-    PRESETS.pop("fake-target", None)
-    PRESETS.pop("fake-draft", None)
+    for name in ("fake-target", "fake-draft", UNLOADABLE):
+        PRESETS.pop(name, None)
 
 
 def fake_job(output: Path, **fields) -> dict:
@@ -165,7 +171,7 @@ def fake_family():
 def ray_local(fake_family):
     import ray
 
-    ray.init(num_cpus=2, include_dashboard=False, configure_logging=False, runtime_env={
+    ray.init(address="local", num_cpus=2, include_dashboard=False, configure_logging=False, runtime_env={
         "env_vars": {"PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])),
                      "OMP_NUM_THREADS": "1"},
         "worker_process_setup_hook": f"{__name__}.install_fake_family",
