@@ -96,10 +96,9 @@ def read_manifest(store: RunStore) -> RunManifest:
             "or the path is not a run directory"
         )
     where = store.full_path(MANIFEST_NAME)
-    with store.fs.open(where, "rb") as handle:
-        data = handle.read(MANIFEST_MAX_BYTES + 1)
-    if len(data) > MANIFEST_MAX_BYTES:
+    if (store.fs.size(where) or 0) > MANIFEST_MAX_BYTES:  # size first: never allocate for a huge file
         raise ManifestError(f"{where} is larger than {MANIFEST_MAX_BYTES // 2**20} MiB; not a specray manifest")
+    data = store.read_bytes(MANIFEST_NAME)
     try:
         raw = json.loads(data)
     except (UnicodeDecodeError, ValueError) as exc:
