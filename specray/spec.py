@@ -38,6 +38,8 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Mapping
 
+from specray.urls import redact_urls
+
 SPEC_FORMAT_VERSION = 1
 CONDITION_KINDS = ("class_labels",)
 DATASET_PARTITIONS = ("date", "run")
@@ -61,8 +63,8 @@ class SpecError(ValueError):
 
     def __init__(self, field_path: str, message: str):
         self.field_path = field_path
-        self.message = message
-        super().__init__(f"{field_path}: {message}" if field_path else message)
+        self.message = redact_urls(message)  # a URL's user:password is never shown, whoever built the message
+        super().__init__(f"{field_path}: {self.message}" if field_path else self.message)
 
     def __reduce__(self):  # picklable across processes despite the two-argument constructor
         return (type(self), (self.field_path, self.message))
@@ -344,8 +346,8 @@ _TOP_LEVEL = {
 def parse_job(data: Mapping[str, Any]) -> JobSpec:
     if not isinstance(data, Mapping):
         raise SpecError("", f"a job must be a mapping of fields, got {type(data).__name__}")
-    _check_plain("", data)
     _reject_unknown("", data, _TOP_LEVEL)
+    _check_plain("", data)
     for required in ("output", "arms"):
         if required not in data:
             raise SpecError(required, "is required")
@@ -438,11 +440,11 @@ def _arms(path: str, raw: Any) -> tuple[ArmSpec, ...]:
                 raise SpecError(f"{at}.{required}", "is required")
         family_name = _string(f"{at}.family", item["family"])
         if family_name not in FAMILIES:
-            raise SpecError(f"{at}.family", f"unknown family {family_name!r}; allowed: {', '.join(sorted(FAMILIES))}")
+            raise SpecError(f"{at}.family", f"unknown family {_short(family_name)}; allowed: {', '.join(sorted(FAMILIES))}")
         family = FAMILIES[family_name]
         method = _string(f"{at}.method", item["method"])
         if method not in family.methods:
-            raise SpecError(f"{at}.method", f"unknown method {method!r} for family {family_name!r}; "
+            raise SpecError(f"{at}.method", f"unknown method {_short(method)} for family {family_name!r}; "
                                             f"allowed: {', '.join(family.methods)}")
         name = _name(f"{at}.name", item.get("name", method))
         if name in seen:
@@ -455,7 +457,7 @@ def _arms(path: str, raw: Any) -> tuple[ArmSpec, ...]:
         try:  # the method's parameter class is the one place its parameters are checked
             params = family.parse_params(method, item.get("params"))
         except ParamError as exc:
-            raise SpecError(f"{at}.params" + (f".{exc.field}" if exc.field else ""), exc.message) from None
+            raise SpecError(f"{at}.params" + (f".{exc.field}" if exc.field else ""), redact_urls(exc.message)) from None
         if params.needs_draft and draft is None:
             raise SpecError(f"{at}.draft", f"method {method!r} with these params needs a draft model; "
                                            f"name one (a preset of family {family_name!r} or a checkpoint)")
@@ -550,7 +552,7 @@ def _formatted_model_ref(path: str, value: Mapping[str, Any], family_name: str) 
     try:
         options = entry.options.parse({k: v for k, v in value.items() if k != "format"})
     except ParamError as exc:
-        raise SpecError(f"{path}" + (f".{exc.field}" if exc.field else ""), exc.message) from None
+        raise SpecError(f"{path}" + (f".{exc.field}" if exc.field else ""), redact_urls(exc.message)) from None
     return {"format": entry.name, **options.to_dict()}
 
 
@@ -643,7 +645,7 @@ def _storage_options(path: str, raw: Any) -> dict[str, Any]:
         _string(f"{path}.region_name", raw["region_name"])
     for flag in ("anon", "requester_pays"):
         if flag in raw and not isinstance(raw[flag], bool):
-            raise SpecError(f"{path}.{flag}", f"must be true or false, got {raw[flag]!r}")
+            raise SpecError(f"{path}.{flag}", f"must be true or false, got {_short(raw[flag])}")
     if "config_kwargs" in raw and not isinstance(raw["config_kwargs"], Mapping):
         raise SpecError(f"{path}.config_kwargs", "must be a mapping (botocore Config arguments)")
     return _plain({k: v for k, v in raw.items() if v is not None})
@@ -663,7 +665,7 @@ def _dataset(path: str, raw: Any, spec: "JobSpec") -> DatasetSpec | None:
     _reject_unknown(path, raw, _DATASET_FIELDS)
     partition = raw.get("partition", "date")
     if partition not in DATASET_PARTITIONS:
-        raise SpecError(f"{path}.partition", f"unknown partition {partition!r}; allowed: {', '.join(DATASET_PARTITIONS)}")
+        raise SpecError(f"{path}.partition", f"unknown partition {_short(partition)}; allowed: {', '.join(DATASET_PARTITIONS)}")
     alias = "date" if partition == "date" else "run_id"
     other = "run_id" if partition == "date" else "date"
     if other in raw:
@@ -682,7 +684,7 @@ def _dataset(path: str, raw: Any, spec: "JobSpec") -> DatasetSpec | None:
             try:
                 value = date.fromisoformat(_string(at, value)).isoformat()
             except ValueError:
-                raise SpecError(at, f'must be "today" or a date YYYY-MM-DD, got {value!r}') from None
+                raise SpecError(at, f'must be "today" or a date YYYY-MM-DD, got {_short(value)}') from None
     else:
         if value in (None, ""):
             value = spec.fingerprint()
@@ -692,7 +694,7 @@ def _dataset(path: str, raw: Any, spec: "JobSpec") -> DatasetSpec | None:
         name = _string(f"{path}.name", name)
     description = raw.get("description") or ""
     if not isinstance(description, str):
-        raise SpecError(f"{path}.description", f"must be a string, got {description!r}")
+        raise SpecError(f"{path}.description", f"must be a string, got {_short(description)}")
     return DatasetSpec(partition=partition, value=value, name=name, description=description)
 
 
@@ -705,7 +707,7 @@ def _conditions(path: str, raw: Any, arms: tuple[ArmSpec, ...]) -> ConditionSpec
     _reject_unknown(path, raw, _CONDITION_FIELDS)
     kind = _string(f"{path}.kind", raw.get("kind", "class_labels"))
     if kind not in CONDITION_KINDS:
-        raise SpecError(f"{path}.kind", f"unknown condition kind {kind!r}; allowed: {', '.join(CONDITION_KINDS)}")
+        raise SpecError(f"{path}.kind", f"unknown condition kind {_short(kind)}; allowed: {', '.join(CONDITION_KINDS)}")
     per_class = _integer(f"{path}.per_class", raw.get("per_class", 100), minimum=1, maximum=MAX_SAMPLES)
     num_classes = _num_classes(arms)
     classes_raw = raw.get("classes", "all")
@@ -757,14 +759,14 @@ def _eval(path: str, raw: Any, arms: tuple[ArmSpec, ...]) -> EvalSpec:
     _reject_unknown(path, raw, _EVAL_FIELDS)
     fid = raw.get("fid", True)
     if not isinstance(fid, bool):
-        raise SpecError(f"{path}.fid", f"must be true or false, got {fid!r}")
+        raise SpecError(f"{path}.fid", f"must be true or false, got {_short(fid)}")
     reference = _string(f"{path}.reference", raw.get("reference", "digits"))
     names = [a.name for a in arms]
     baseline = raw.get("baseline")
     if baseline is None:
         baseline = next((a.name for a in arms if a.method == "target_only"), None)
     elif baseline not in names:
-        raise SpecError(f"{path}.baseline", f"unknown arm {baseline!r}; allowed: {', '.join(names)}")
+        raise SpecError(f"{path}.baseline", f"unknown arm {_short(baseline)}; allowed: {', '.join(names)}")
     options = raw.get("options") or {}
     if not isinstance(options, Mapping):
         raise SpecError(f"{path}.options", "must be a mapping")
@@ -774,7 +776,7 @@ def _eval(path: str, raw: Any, arms: tuple[ArmSpec, ...]) -> EvalSpec:
     try:  # checked now, not after generation
         ReduceOptions.parse(options)
     except ParamError as exc:
-        raise SpecError(f"{path}.options" + (f".{exc.field}" if exc.field else ""), exc.message) from None
+        raise SpecError(f"{path}.options" + (f".{exc.field}" if exc.field else ""), redact_urls(exc.message)) from None
     return EvalSpec(fid=fid, reference=reference, baseline=baseline, options=_plain(options))
 
 
@@ -800,32 +802,26 @@ def _validate_output(path: str, value: Any) -> str:
     while not probe.exists():
         probe = probe.parent
     if not probe.is_dir():
-        raise SpecError(path, f"{output!r} cannot be created: {str(probe)!r} is a file")
+        raise SpecError(path, f"{_short(output)} cannot be created: {str(probe)!r} is a file")
     if not os.access(probe, os.W_OK | os.X_OK):
-        raise SpecError(path, f"{output!r} cannot be written: no write permission on {str(probe)!r}")
+        raise SpecError(path, f"{_short(output)} cannot be written: no write permission on {str(probe)!r}")
     return output
 
 
 def _reject_unknown(path: str, data: Mapping[str, Any], allowed: set[str]) -> None:
     for key in data:
         if key not in allowed:
-            at = f"{path}.{key}" if path else str(key)
+            name = str(key) if str(key).strip() else repr(key)  # an empty key still gets a visible name
+            at = f"{path}.{name}" if path else name
             close = difflib.get_close_matches(str(key), sorted(allowed), n=1, cutoff=0.6)
             hint = f"; did you mean {close[0]!r}?" if close else ""
             raise SpecError(at, f"unknown field; allowed: {', '.join(sorted(allowed))}{hint}")
 
 
 def _short(value: Any, limit: int = 80) -> str:
-    """A bounded, URL-redacted repr for messages: a message never echoes a whole file or a secret."""
-    import reprlib
+    from specray.urls import safe_repr
 
-    from specray.urls import redact_urls
-
-    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 96:
-        return f"an integer of {value.bit_length()} bits"
-    shortener = reprlib.Repr()
-    shortener.maxstring, shortener.maxother, shortener.maxlevel = limit, limit, 3
-    return redact_urls(shortener.repr(value))
+    return safe_repr(value, limit)
 
 
 def _string(path: str, value: Any) -> str:
@@ -877,7 +873,8 @@ def _check_plain(path: str, value: Any, depth: int = 0) -> None:
     if isinstance(value, Mapping):
         for key, item in value.items():
             if not isinstance(key, str):
-                raise SpecError(path, f"has a key {_short(key)} of type {type(key).__name__}; keys must be strings")
+                at = f"{path}.{_short(key)}" if path else _short(key)
+                raise SpecError(at, f"a key of type {type(key).__name__}; keys must be strings (field names)")
             _check_plain(f"{path}.{key}" if path else key, item, depth + 1)
     elif isinstance(value, list):
         for i, item in enumerate(value):

@@ -48,3 +48,21 @@ def redact_url(url: str) -> str:
 def redact_urls(text: str) -> str:
     """``text`` with the user information of every URL in it replaced by ``<redacted>``."""
     return _USERINFO_IN_TEXT.sub(lambda m: f"{m.group('scheme')}{REDACTED}@", str(text))
+
+
+def safe_repr(value: object, limit: int = 80) -> str:
+    """A repr for error messages: bounded, URLs redacted, and a mapping shown by its keys only (its
+    values may be secrets written under the wrong key); a huge integer by its size."""
+    import reprlib
+    from collections.abc import Mapping
+
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 96:
+        return f"an integer of {value.bit_length()} bits"
+    if isinstance(value, Mapping):
+        keys = ", ".join(safe_repr(str(k), 20) for k in list(value)[:8])
+        return f"a mapping with keys [{keys}{', ...' if len(value) > 8 else ''}]"
+    if isinstance(value, (list, tuple, set)) and any(isinstance(v, (Mapping, list, tuple, set)) for v in value):
+        return f"a {type(value).__name__} of {len(value)} items"
+    shortener = reprlib.Repr()
+    shortener.maxstring, shortener.maxother, shortener.maxlevel = limit, limit, 2
+    return redact_urls(shortener.repr(value))

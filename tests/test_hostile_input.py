@@ -138,7 +138,7 @@ def test_yaml_alias_bomb_is_refused_before_it_is_built(tmp_path):
 
 
 @pytest.mark.parametrize("kind", ["recursive alias", "deep nesting", "huge integer", "bad date", "binary", "set",
-                                  "non-string key", "not UTF-8"])
+                                  "non-string key", "nested non-string key", "not UTF-8"])
 def test_odd_yaml_is_refused_by_name(tmp_path, kind):
     text = {
         "recursive alias": "job_id: x\noutput: o\narms: &a [*a]\n",
@@ -148,6 +148,7 @@ def test_odd_yaml_is_refused_by_name(tmp_path, kind):
         "binary": "job_id: !!binary aGVsbG8=\noutput: o\narms: []\n",
         "set": "job_id: x\noutput: o\nstorage_options: {config_kwargs: !!set {a, b}}\narms: []\n",
         "non-string key": "job_id: x\noutput: o\n7: seven\narms: []\n",
+        "nested non-string key": "job_id: x\noutput: o\neval: {options: {1: 2}}\narms: []\n",
         "not UTF-8": None,
     }[kind]
     path = tmp_path / "job.yaml"
@@ -163,7 +164,8 @@ def test_odd_yaml_is_refused_by_name(tmp_path, kind):
     named = {"recursive alias": "refers to no complete anchor", "deep nesting": "nests deeper than",
              "huge integer": "holds a value YAML cannot build", "bad date": "holds a value YAML cannot build",
              "binary": "job_id: must be a string, number, boolean, list or mapping, got a bytes", "set": "storage_options.config_kwargs",
-             "non-string key": "has a key 7 of type int", "not UTF-8": "is not UTF-8"}[kind]
+             "non-string key": "7: unknown field",
+             "nested non-string key": "eval.options.1: a key of type int; keys must be strings", "not UTF-8": "is not UTF-8"}[kind]
     assert named in message, message
     assert len(message) < 500  # never echoes the file
 
