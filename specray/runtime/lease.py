@@ -41,10 +41,7 @@ LEASE_TTL_S = 60.0  # S3: a lease not renewed for this long belongs to a dead ru
 
 
 class OutputBusyError(SpecError):
-    """Another run holds the output's lease."""
-
-    def __init__(self, field_path: str, message: str):  # SpecError's signature: picklable the same way
-        super().__init__(field_path, message)
+    """Another run holds the output's lease (field ``output``; the CLI exits 2 as for any bad input)."""
 
 
 class LeaseLostError(RuntimeError):
