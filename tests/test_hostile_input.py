@@ -96,6 +96,22 @@ def test_a_billion_samples_per_class_is_refused_before_planning(tmp_path):
     assert not out.exists()
 
 
+def test_a_job_at_the_bounds_validates_in_bounded_time_and_memory(tmp_path):
+    """Positive control: 100 million samples in 97,657 shards per arm are planned arithmetically."""
+    job = base_job(tmp_path / "out")
+    job.update(batch_size=1024, shard_batches=1)
+    job["conditions"]["per_class"] = MAX_SAMPLES // 10
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(job))
+    done = subprocess.run([sys.executable, "-c", _MEASURED_CLI, "validate", str(path)], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(REPO_ROOT), "SPECRAY_TEST_PEAK": str(tmp_path / "peak")})
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("ok: validation: 100000000 samples x 2 arms, 97657 shards of 1024")
+    assert int((tmp_path / "peak").read_text()) / 1024 < MAX_RSS_MB
+    assert not (tmp_path / "out").exists()
+
+
 def test_too_many_shards_is_refused_with_the_reason():
     job = base_job("/tmp/unused-output")
     job.update(batch_size=1, shard_batches=1)
