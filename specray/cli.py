@@ -170,9 +170,14 @@ def methods(family_name: str | None) -> None:
 
 
 def _require_manifest(run_dir: str, storage_options: dict | None = None) -> None:
+    from specray.runtime.fs import StorageError
     from specray.runtime.store import MANIFEST_NAME, RunStore
 
-    if not RunStore(run_dir, storage_options).is_committed(MANIFEST_NAME):
+    try:
+        finished = RunStore(run_dir, storage_options).is_committed(MANIFEST_NAME)
+    except StorageError as exc:  # e.g. a URL with credentials in it: refused, redacted
+        _fail(f"RUN: {exc}")
+    if not finished:
         _fail(f"RUN: {run_dir!r} has no {MANIFEST_NAME}: not a finished specray run (rerun its job to finish it)")
 
 

@@ -242,8 +242,10 @@ def test_credentials_in_an_output_url_are_refused_and_never_echoed(tmp_path):
         assert_refused(code, stderr, wall, rss, "output: ")
         assert SECRET not in stderr and "AKIAEXAMPLE" not in stderr
         assert "s3://<redacted>@bucket/runs/r1" in stderr and "AWS_ACCESS_KEY_ID" in stderr
-    code, stderr, _wall, _rss = specray_cli("reduce", url, cwd=tmp_path)
-    assert code == 2 and SECRET not in stderr and "Traceback" not in stderr
+    for command in (["reduce", url], ["report", url], ["compare", url, str(tmp_path)]):
+        code, stderr, _wall, _rss = specray_cli(*command, cwd=tmp_path)
+        assert code == 2 and SECRET not in stderr and "Traceback" not in stderr, stderr
+        assert "s3://<redacted>@bucket/runs/r1" in stderr
     assert not (tmp_path / "out").exists()
 
 
