@@ -249,6 +249,7 @@ def test_credentials_in_an_output_url_are_refused_and_never_echoed(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow  # the S3 client's connection retries against a closed port take ~20 s here
 def test_credentials_in_an_endpoint_are_refused_and_redacted_wherever_quoted(tmp_path):
     job = base_job("s3://bucket/runs/r1")
     job["storage_options"] = {"endpoint_url": f"http://minio:{SECRET}@127.0.0.1:9/"}
