@@ -79,6 +79,8 @@ class Family:
     load_pair: Lazy
     trainer: Lazy
     formats: Mapping[str, ModelFormat] = field(default_factory=dict)
+    # Free-form facts about the family; "preset_weights": its presets read weights/<name>.safetensors
+    # (the spec refuses a preset whose file is missing).
     metadata: Mapping[str, Any] = field(default_factory=dict)
 
     def method(self, name: str) -> Method:
@@ -182,6 +184,7 @@ FAMILIES: dict[str, Family] = {
             Method("uniform_rsd", _dp.UniformRSD, _discrete_rule, "COOL-SD with a constant multiplier"),
         ),
         loop=_discrete_loop, load_pair=_discrete_models, trainer=_discrete_trainer,
+        metadata={"preset_weights": True},  # its presets load weights/<name>.safetensors
     ),
     "continuous_ar": Family(
         name="continuous_ar",
@@ -191,6 +194,7 @@ FAMILIES: dict[str, Family] = {
             Method("cspd", _cp.CSpD, summary="continuous speculative decoding"),
         ),
         loop=_continuous_loop, load_pair=_continuous_models, trainer=_continuous_trainer,
+        metadata={"preset_weights": True},
     ),
     "diffusion": Family(
         name="diffusion",
@@ -201,6 +205,7 @@ FAMILIES: dict[str, Family] = {
             Method("spec_block", _fp.SpecBlock, summary="speculative sampling, block verification"),
         ),
         loop=_diffusion_loop, load_pair=_diffusion_models, trainer=_diffusion_trainer,
+        metadata={"preset_weights": True},
     ),
 }
 

@@ -11,7 +11,9 @@ from typing import Any
 import numpy as np
 
 from specray.runtime.images import encode_png
-from specray.runtime.store import RunStore, rows_to_table
+from specray.runtime.store import RunStore, ShardIdentity, rows_to_table
+
+SYNTHETIC_FINGERPRINT = "5ynthet1c0000000"  # the job fingerprint the synthetic files and manifest share
 
 
 @dataclass
@@ -93,11 +95,11 @@ def write_run(root: str, arms: list[SyntheticArm], *, per_class: int = 20, class
 
                 table = table.append_column("actor", pa.array([f"actor-{k % 2}"] * len(part), pa.string()))
             path = f"samples/{arm.name}/shard-{k:05d}-of-{num_shards:05d}.parquet"
-            committed = store.write_shard(path, table)
+            committed = store.write_shard(path, table, ShardIdentity(SYNTHETIC_FINGERPRINT, arm.name, k, num_shards))
             shards.append({"arm": arm.name, "shard": k, "num_shards": num_shards, "first_sample_id": lo,
                            **committed.to_dict()})
     manifest = {
-        "format": 1, "job_id": "synthetic",
+        "format": 1, "job_id": "synthetic", "fingerprint": SYNTHETIC_FINGERPRINT,
         "spec": {"job_id": "synthetic", "seed": seed, "batch_size": batch_size,
                  "conditions": {"kind": "class_labels", "per_class": per_class, "classes": list(classes)},
                  "eval": {"fid": True, "reference": reference, "baseline": None,

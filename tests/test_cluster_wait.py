@@ -23,8 +23,8 @@ ARMS = [{"name": "target_only", "method": "target_only"}, {"name": "fake_sd", "m
 def test_job_waits_for_a_node_and_completes_when_it_arrives(tmp_path, caplog):
     import ray
     from ray.autoscaler._private.constants import AUTOSCALER_RESOURCE_REQUEST_CHANNEL
-    from ray.cluster_utils import Cluster
     from ray.autoscaler.v2.utils import is_autoscaler_v2
+    from ray.cluster_utils import Cluster
     from ray.experimental.internal_kv import _internal_kv_get
 
     from specray.runtime.coordinator import run_job

@@ -28,7 +28,7 @@ from specray.methods.params import Gamma, MethodParams
 from specray.models.pair import ModelPair
 from specray.runtime.images import encode_png
 from specray.runtime.plan import ShardPlan, shard_relpath
-from specray.runtime.store import SAMPLE_SCHEMA, TEMP_MARKER
+from specray.runtime.store import SAMPLE_SCHEMA, TEMP_MARKER, TEMP_TAG_PREFIX
 from specray.spec import SpecError, load_job
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -57,7 +57,13 @@ class Flaky(MethodParams):
     times: int = 1
 
 
+UNLOADABLE = "fake-unloadable"  # a preset whose loader refuses it, the same way on every actor
+
+
 def load_pair(target: str, draft: str | None, device: torch.device) -> ModelPair:
+    if UNLOADABLE in (target, draft):
+        raise ValueError(f"{UNLOADABLE}: the loader refuses this checkpoint (unsupported key layout)")
+
     def model(seed: int) -> torch.nn.Module:
         torch.manual_seed(seed)
         return torch.nn.Linear(NUM_CLASSES, IMAGE_SIDE * IMAGE_SIDE * LEVELS).to(device)
@@ -116,7 +122,7 @@ def install_fake_family() -> None:
 
     _load_all()
     register_family(FAKE)
-    for name, role in (("fake-target", "target"), ("fake-draft", "draft")):
+    for name, role in (("fake-target", "target"), ("fake-draft", "draft"), (UNLOADABLE, "target")):
         PRESETS.setdefault(name, Preset(name, FAKE_FAMILY, role, {"num_classes": NUM_CLASSES}))
 
 
@@ -124,8 +130,8 @@ def uninstall_fake_family() -> None:
     from specray.models.presets import PRESETS
 
     unregister_family(FAKE_FAMILY)
-    PRESETS.pop("fake-target", None)
-    PRESETS.pop("fake-draft", None)
+    for name in ("fake-target", "fake-draft", UNLOADABLE):
+        PRESETS.pop(name, None)
 
 
 def fake_job(output: Path, **fields) -> dict:
@@ -165,7 +171,7 @@ def fake_family():
 def ray_local(fake_family):
     import ray
 
-    ray.init(num_cpus=2, include_dashboard=False, configure_logging=False, runtime_env={
+    ray.init(address="local", num_cpus=2, include_dashboard=False, configure_logging=False, runtime_env={
         "env_vars": {"PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])),
                      "OMP_NUM_THREADS": "1"},
         "worker_process_setup_hook": f"{__name__}.install_fake_family",
@@ -390,7 +396,12 @@ def test_resume_recomputes_only_the_missing_shard(reference_run, tmp_path):
     missing = out / shard_relpath("fake_sd", 1, 3)
     missing.unlink()
     (out / "_manifest.json").unlink()  # as after a crash: the manifest is written last
-    (out / "samples" / "fake_sd" / f".shard-00001-of-00003.parquet{TEMP_MARKER}dead").write_bytes(b"partial")
+    # A writer of this job killed mid-commit leaves a temp named with the job's fingerprint; another
+    # program's dot-file that merely looks like a temp is not the run's to remove.
+    tag = f"{TEMP_TAG_PREFIX}{load_job(fake_job(out)).fingerprint()}"
+    (out / "samples" / "fake_sd" / f".shard-00001-of-00003.parquet{TEMP_MARKER}{tag}-{'0' * 32}").write_bytes(b"partial")
+    foreign = out / "samples" / "fake_sd" / f".notes{TEMP_MARKER}dead"
+    foreign.write_bytes(b"not ours")
     untouched = {p: p.stat().st_mtime_ns for p in (out / "samples").rglob("*.parquet")}
 
     result = run(fake_job(out))
@@ -399,7 +410,8 @@ def test_resume_recomputes_only_the_missing_shard(reference_run, tmp_path):
     assert missing.exists() and (out / "_manifest.json").exists()
     assert {p: p.stat().st_mtime_ns for p in untouched} == untouched
     assert images_by_key(out) == before
-    assert not [f for f in all_files(out) if TEMP_MARKER in f]  # the crashed writer's temp file is gone
+    assert [f for f in all_files(out) if TEMP_MARKER in f] == [str(foreign.relative_to(out))]  # ours is gone
+    foreign.unlink()
 
     again = run(fake_job(out))  # a complete run: nothing to do, manifest rewritten
     assert again.tasks_run == 0 and again.manifest["num_rows"] == 48

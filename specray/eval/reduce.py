@@ -56,7 +56,7 @@ import torch
 
 from specray.eval.accumulate import ArmAccumulator
 from specray.eval.bootstrap import bias_shifted_interval
-from specray.eval.checks import RunCheckError, check_run  # noqa: F401  (RunCheckError re-exported)
+from specray.eval.checks import MIN_SAMPLES_PER_ARM, RunCheckError, check_run  # noqa: F401  (RunCheckError re-exported)
 from specray.eval.extractors import ImageFeatureExtractor
 from specray.eval.fid import digits_reference_images, fid_torch_fidelity, frechet_distance
 from specray.eval.noise import claimed_law, law_note, seed_spread, target_only_params
@@ -66,6 +66,7 @@ from specray.eval.reference import ReferenceStatistics, load_reference
 from specray.eval.report import TABLE_COLUMNS, format_table, grid_png, render_report_files, table_rows, write_json
 from specray.eval.shards import RunManifest, decode_images, iter_shard_batches, read_manifest
 from specray.eval.speedup import latency_speedup, ratio_with_paired_bootstrap, speedup_over_baseline
+from specray.eval.verify import partial_view, verify_files
 from specray.runtime.progress import Progress
 from specray.runtime.store import RunStore
 
@@ -87,14 +88,17 @@ def reduce_run(
     storage_options: dict[str, Any] | None = None,
     reference: str | None = None,
     show_progress: bool | None = None,
+    partial: bool = False,
 ) -> dict[str, Any]:
     """Score a committed run and write ``<run_dir>/report/`` (report.json, report.md, plots, grid); returns the report.
 
     ``options`` default to the job's ``eval.options`` from the manifest, then to ``ReduceOptions()``;
     ``reference`` defaults to the job's ``eval.reference`` (see ``specray.eval.reference``).
-    Raises ``RunCheckError`` (a ValueError) before scoring when the run fails a pre-scoring check.
     Progress (reference, feature extraction per arm, where the report went) goes to stderr when
     ``show_progress`` (default: ``print_table``).
+    Every listed file is verified first (``verify.py``: path, size, sha256, its own identity) and
+    raises ``RunCheckError`` (a ValueError) naming the bad files, as does a failed pre-scoring
+    check. ``partial``: score the files that verify and say in the report what is missing.
     """
     show_progress = print_table if show_progress is None else show_progress
     say = _say if show_progress else (lambda message: None)
@@ -104,7 +108,11 @@ def reduce_run(
     if options is None:
         options = ReduceOptions.parse(spec_eval.get("options") or {})
     reference_name = reference or spec_eval.get("reference", "digits")
-    checks = check_run(store, manifest) if options.checks else None
+    verified = verify_files(store, manifest, partial=partial)
+    partial_info = None
+    if not verified.complete:
+        manifest, partial_info = partial_view(manifest, verified)
+    checks = check_run(store, manifest, partial=partial_info is not None) if options.checks else None
 
     extractor = ImageFeatureExtractor(options.feature_extractor, options.device, options.inception_weights)
     say(f"reduce: {len(manifest.arm_names)} arms, {manifest.num_rows} rows; reference statistics of "
@@ -130,7 +138,8 @@ def reduce_run(
                           f"images, FID {arm_results[arm]['fid']['value']:.2f}")
     say("reduce: speedups, noise, report")
     _pair_with_baselines(manifest, arm_results, accumulators, bootstrap_fids, options)
-    report = _assemble(run_dir, manifest, checks, extractor, reference_stats, options, arm_results, extraction_s)
+    report = _assemble(run_dir, manifest, checks, extractor, reference_stats, options, arm_results, extraction_s,
+                       partial_info)
     report["grid"] = _write_grid(store, manifest.arm_names, accumulators)
     write_json(store, "report/report.json", report)
     render_report_files(store, report, plots=options.plots)
@@ -228,7 +237,7 @@ def _few_samples_warning(num_samples: int, feature_dim: int) -> str | None:
 
 def _assemble(run_dir: str, manifest: RunManifest, checks: dict | None, extractor: ImageFeatureExtractor,
               reference_stats: ReferenceStatistics, options: ReduceOptions, arm_results: dict[str, dict[str, Any]],
-              extraction_s: float) -> dict[str, Any]:
+              extraction_s: float, partial_info: dict[str, Any] | None) -> dict[str, Any]:
     arms = [arm_results[a] for a in manifest.arm_names]
     for entry in arms:
         entry["fid"]["warning"] = _few_samples_warning(entry["num_samples"], extractor.fid_dim)
@@ -243,6 +252,7 @@ def _assemble(run_dir: str, manifest: RunManifest, checks: dict | None, extracto
         "run": run_dir,
         "job_id": manifest.raw.get("job_id"),
         "num_rows": num_rows,
+        "partial": partial_info,  # None: every listed file verified and was scored
         "checks": {"passed": checks is not None, "skipped": checks is None,
                    "num_samples_per_arm": next(iter(checks.values())).rows if checks else None,
                    "class_counts": {str(k): v for k, v in next(iter(checks.values())).class_counts.items()}
@@ -303,8 +313,9 @@ def _stream_arm(
                 progress.advance(batch.num_rows)
         if entry.rows >= 0 and rows != entry.rows:
             raise ValueError(f"shard {entry.path}: manifest lists {entry.rows} rows, file has {rows}")
-    if acc.totals.num_samples < 2:
-        raise ValueError(f"arm {arm!r}: {acc.totals.num_samples} samples in the manifest's shards; FID needs at least 2")
+    if acc.totals.num_samples < MIN_SAMPLES_PER_ARM:
+        raise RunCheckError("size", f"arm {arm!r}: {acc.totals.num_samples} samples in the manifest's shards; FID "
+                                    f"needs at least {MIN_SAMPLES_PER_ARM}")
     return acc, seconds
 
 
@@ -319,8 +330,10 @@ def _arm_fid(
         source = "torch_fidelity.calculate_metrics"
     else:
         value, source = streaming, "streamed moments + torch_fidelity fid_statistics_to_metric"
+    # A replicate of a tiny run can draw fewer than two samples (no covariance): it counts as missing.
     replicates = np.array(
-        [frechet_distance(acc.bootstrap.statistics(b), reference_stats) for b in range(acc.bootstrap.num_replicates)]
+        [frechet_distance(acc.bootstrap.statistics(b), reference_stats) if acc.bootstrap.count[b] >= 2 else np.nan
+         for b in range(acc.bootstrap.num_replicates)]
     )
     halves = [
         frechet_distance(half.statistics(), reference_stats) if half.count >= 2 else None for half in acc.halves
@@ -331,7 +344,7 @@ def _arm_fid(
         "source": source,
         "streaming": streaming,
         "ci": [max(0.0, low), high],  # FID is a squared distance: never below 0
-        "bootstrap_std": float(np.std(replicates, ddof=1)),
+        "bootstrap_std": float(np.nanstd(replicates, ddof=1)) if np.isfinite(replicates).sum() > 1 else None,
         "halves": halves,
         "diff_vs_baseline": None,
         "seed_spread": None,
@@ -423,6 +436,8 @@ def _baseline_for(arm: str, manifest: RunManifest, results: dict[str, dict[str, 
     entry = results[arm]
     same_model = lambda other: (results[other]["family"], results[other]["target"]) == (entry["family"], entry["target"])  # noqa: E731
     named = manifest.baseline_arm
+    if named in manifest.dropped_arms:
+        named = None  # a partial report that lost the baseline arm: fall back to a target_only of the same model
     if named is not None:
         if named not in results:
             raise ValueError(f"eval.baseline {named!r} is not an arm of this run; arms: {list(results)}")

@@ -189,6 +189,9 @@ def render_markdown(report: dict[str, Any], plot_names: list[str]) -> str:
              + (f" ({setup['reference_count']} images)" if setup.get("reference_count") else "") + ". "
              f"Intervals are {int(setup['confidence'] * 100)}% bootstrap intervals ({setup['bootstrap_replicates']} "
              "Poisson replicates keyed by sample_id for FID and the NFE ratio; resampled paired batches for speedups)."]
+    from specray.eval.verify import partial_notice_lines
+
+    lines += partial_notice_lines(report)
     checks = report.get("checks") or {}
     if checks.get("passed"):
         lines += ["", f"Pre-scoring checks passed: every arm has {checks.get('num_samples_per_arm')} samples, no "

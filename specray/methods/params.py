@@ -22,6 +22,8 @@ from typing import Annotated, Any, ClassVar, Literal
 import annotated_types
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from specray.urls import safe_repr
+
 # The draft length of every family: tokens, continuous tokens or denoising steps drafted per round.
 # CSpD's paper sweeps it up to 32; 64 leaves room without letting a typo allocate a huge round.
 GAMMA_MAX = 64
@@ -111,7 +113,7 @@ def _first_error(cls: type[StrictParams], exc: ValidationError) -> ParamError:
     if error["type"] == "extra_forbidden":
         return ParamError(name, f"unknown {cls.kind}; allowed: {sorted(cls.model_fields)}")
     if name in cls.model_fields:
-        return ParamError(name, f"must be {allowed_values(cls, name)}, got {error.get('input')!r}")
+        return ParamError(name, f"must be {allowed_values(cls, name)}, got {safe_repr(error.get('input'))}")
     return ParamError(name, error["msg"])
 
 

@@ -15,6 +15,7 @@ is bounded by the number of shards and actors, not by the number of samples.
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import os
 import platform
@@ -29,6 +30,7 @@ import torch
 
 import specray
 from specray.runtime import fs as storage
+from specray.runtime.lease import OutputLease
 from specray.runtime.plan import SAMPLES_DIR, ShardPlan, ShardTask, shard_relpath
 from specray.runtime.progress import Progress
 from specray.runtime.store import JOB_RECORD_NAME, MANIFEST_NAME, CommittedFile, RunStore
@@ -64,12 +66,18 @@ class RunResult:
 
 
 def plan_tasks(spec: JobSpec, plan: ShardPlan, store: RunStore) -> tuple[list[ShardTask], int]:
-    """Tasks still to run (arms whose file is missing), and the number of rows already committed."""
+    """Tasks still to run (arms whose file is missing), and the number of rows already committed.
+
+    One listing of ``samples/`` (not one existence check per file: on S3 that is one request per
+    thousand files instead of one per file); shards are visited one at a time, never listed.
+    """
+    committed = set(store.list_files("samples"))
+    groups = spec.arm_groups()
     tasks: list[ShardTask] = []
     committed_rows = 0
-    for shard in plan.shards():
-        for key, arms in spec.arm_groups():
-            missing = tuple(a for a in arms if not store.is_committed(shard_relpath(a.name, shard.index, shard.num_shards)))
+    for shard in plan.iter_shards():
+        for key, arms in groups:
+            missing = tuple(a for a in arms if shard_relpath(a.name, shard.index, shard.num_shards) not in committed)
             committed_rows += shard.num_samples * (len(arms) - len(missing))
             if missing:
                 tasks.append(ShardTask(shard=shard, group_key=key, arms=missing))
@@ -138,7 +146,8 @@ def connect_ray(ray_address: str | None = None, num_cpus: int | None = None) -> 
     if os.environ.get("RAY_ADDRESS"):
         ray.init()
         return False
-    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False)
+    with _loopback_only():
+        ray.init(address="local", num_cpus=num_cpus, include_dashboard=False)
     return True
 
 
@@ -188,6 +197,34 @@ def release_capacity() -> None:
         request_resources(bundles=[])
     except Exception as exc:  # the cluster may be gone; nothing to withdraw then
         log.debug("could not withdraw the resource request: %s", exc)
+@contextlib.contextmanager
+def _loopback_only():
+    """Make the local Ray instance listen on 127.0.0.1 only.
+
+    Ray gives a node its routable address and then its GCS, raylet and workers listen on every
+    interface; ``ray.init`` turns an explicit 127.0.0.1 back into that address. Ray's switch for
+    single-machine use (the one it sets by itself on macOS and Windows) makes it pick 127.0.0.1,
+    and with that node address its servers bind to loopback. Nothing outside this machine needs
+    them: a job that spans machines joins a cluster (``--ray-address``) and never comes here.
+    """
+    try:
+        from ray._private import ray_constants
+    except ImportError:  # a Ray without the switch: start it as Ray chooses (token auth still guards it)
+        log.warning("this Ray has no single-machine switch; the local Ray instance listens on all interfaces")
+        yield
+        return
+    name = getattr(ray_constants, "ENABLE_RAY_CLUSTERS_ENV_VAR", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER")
+    saved_env, saved_flag = os.environ.get(name), getattr(ray_constants, "ENABLE_RAY_CLUSTER", True)
+    os.environ[name] = "0"  # read by the processes Ray spawns
+    ray_constants.ENABLE_RAY_CLUSTER = False  # read by this process's ray.init
+    try:
+        yield
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = saved_flag
+        if saved_env is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = saved_env
 
 
 def default_actor_count(spec: JobSpec, resources: dict[str, float]) -> int:
@@ -210,8 +247,13 @@ def default_actor_count(spec: JobSpec, resources: dict[str, float]) -> int:
 
 def run_job(spec: JobSpec, *, ray_address: str | None = None, num_cpus: int | None = None,
             actors: int | None = None, storage_options: dict[str, Any] | None = None,
-            show_progress: bool = True) -> RunResult:
-    """Run ``spec`` to completion (resuming from committed shards) and write the manifest."""
+            show_progress: bool = True, lease: OutputLease | None = None) -> RunResult:
+    """Run ``spec`` to completion (resuming from committed shards) and write the manifest.
+
+    The run holds the output's lease (:mod:`specray.runtime.lease`) from before it reads the output
+    until it returns; a second run of the same output is refused with :class:`OutputBusyError`.
+    ``lease``: one the caller already holds on ``spec.output`` (dataset jobs hold theirs longer).
+    """
     started = time.time()
     # The spec's storage options (endpoint, region; never credentials), then the caller's on top.
     storage_options = {**getattr(spec, "storage_options", {}), **(storage_options or {})} or None
@@ -223,9 +265,23 @@ def run_job(spec: JobSpec, *, ray_address: str | None = None, num_cpus: int | No
         storage.check_writable(spec.output, storage_options)
     except storage.StorageError as exc:
         raise SpecError("output", str(exc)) from None
-    store = RunStore(spec.output, storage_options)
+    store = RunStore(spec.output, storage_options, run_tag=spec.fingerprint())
+    owned = lease is None
+    if owned:
+        lease = OutputLease(store, job_id=spec.job_id, fingerprint=spec.fingerprint()).acquire()
+    try:
+        return _run_leased(spec, plan, store, lease, started, ray_address=ray_address, num_cpus=num_cpus,
+                           actors=actors, storage_options=storage_options, show_progress=show_progress)
+    finally:
+        if owned:
+            lease.release()
+
+
+def _run_leased(spec: JobSpec, plan: ShardPlan, store: RunStore, lease: OutputLease, started: float, *,
+                ray_address: str | None, num_cpus: int | None, actors: int | None,
+                storage_options: dict[str, Any] | None, show_progress: bool) -> RunResult:
     check_resume(spec, plan, store)
-    store.remove_stale_temps()
+    store.remove_stale_temps()  # this job's own leftovers only (their names carry its fingerprint)
     tasks, committed_rows = plan_tasks(spec, plan, store)
     total_rows = plan.num_samples * len(spec.arms)
     log.info("job %s: %d samples x %d arms = %d rows in %d shards; %d rows already committed, %d tasks to run",
@@ -248,7 +304,7 @@ def run_job(spec: JobSpec, *, ray_address: str | None = None, num_cpus: int | No
         store.write_json(JOB_RECORD_NAME, job_record(spec, plan))
         if tasks:
             with Progress(total_rows, committed_rows, enabled=show_progress) as progress:
-                dispatcher = _Dispatcher(spec, storage_options, pool_size, progress,
+                dispatcher = _Dispatcher(spec, storage_options, pool_size, progress, lease,
                                          first_notice_s=STARVED_WARNING_S if own_ray else FIRST_WAIT_NOTICE_S)
                 try:
                     written = dispatcher.run(tasks)
@@ -265,6 +321,7 @@ def run_job(spec: JobSpec, *, ray_address: str | None = None, num_cpus: int | No
 
     manifest = build_manifest(spec, plan, store, written, started=started, retries=retries,
                               actors=pool_size, devices=devices, tasks_run=len(tasks))
+    lease.check()  # a run whose lease was taken over must not claim the output is complete
     store.write_json(MANIFEST_NAME, manifest)
     wall = time.time() - started
     log.info("job %s complete in %.1f s: %d tasks run, %d retries; manifest at %s",
@@ -287,8 +344,9 @@ class _Dispatcher:
     """
 
     def __init__(self, spec: JobSpec, storage_options: dict[str, Any] | None, pool_size: int, progress: Progress,
-                 first_notice_s: float = STARVED_WARNING_S):
+                 lease: OutputLease | None = None, first_notice_s: float = STARVED_WARNING_S):
         self.spec = spec
+        self.lease = lease
         self.first_notice_s = first_notice_s  # on a cluster, say soon that the job waits for nodes
         self.storage_options = storage_options
         self.progress = progress
@@ -332,6 +390,8 @@ class _Dispatcher:
         waiting_since = time.monotonic()
 
         while pending or in_flight:
+            if self.lease is not None:
+                self.lease.check()
             self._assign(tasks, pending, in_flight, avoid)
             ready, _ = ray.wait([*in_flight, *self._starting], num_returns=1, timeout=1.0)
             self.progress.tick()
@@ -350,6 +410,11 @@ class _Dispatcher:
             except (ray.exceptions.RayError, StopIteration) as exc:
                 in_flight.pop(stream)
                 self.progress.retract(counted.pop(index, 0))  # those rows run again
+                if _is_deterministic(exc):
+                    # The same input fails the same way on any actor: stop now instead of retrying.
+                    raise ShardFailedError(f"{task.label} failed and is not retried (the same input fails the "
+                                           f"same way every time): {_short_error(exc)}. Shards already "
+                                           "committed stay valid: fix the cause and rerun the job to resume") from None
                 failures[index] += 1
                 self.retries += 1
                 self.progress.retry()
@@ -467,6 +532,10 @@ class _Dispatcher:
 def _short_resources(resources: dict[str, float]) -> dict[str, float]:
     """CPU, GPU and memory of a resource dict (not Ray's per-node bookkeeping entries)."""
     return {k: round(v, 2) for k, v in resources.items() if k in ("CPU", "GPU") or k.startswith("accelerator_type")}
+def _is_deterministic(exc: BaseException) -> bool:
+    from specray.runtime.actor import DeterministicFailure
+
+    return isinstance(exc, ray.exceptions.RayTaskError) and isinstance(exc.cause, DeterministicFailure)
 
 
 def _short_error(exc: BaseException) -> str:
@@ -485,7 +554,7 @@ def build_manifest(spec: JobSpec, plan: ShardPlan, store: RunStore, written: dic
     """Count every committed (arm, shard) file; fail if one is missing or has the wrong row count."""
     shards = []
     for arm in spec.arms:
-        for shard in plan.shards():
+        for shard in plan.iter_shards():
             path = shard_relpath(arm.name, shard.index, shard.num_shards)
             committed = written.get(path) or store.describe(path)
             if committed.rows != shard.num_samples:

@@ -13,6 +13,7 @@ grow with the number of samples.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -88,8 +89,12 @@ class ShardPlan:
         start = index * self.shard_size
         return Shard(index, self.num_shards, start, min(start + self.shard_size, self.num_samples), self.batch_size)
 
+    def iter_shards(self) -> Iterator[Shard]:
+        """Every shard in order, one at a time (the plan never holds them all)."""
+        return (self.shard(k) for k in range(self.num_shards))
+
     def shards(self) -> list[Shard]:
-        return [self.shard(k) for k in range(self.num_shards)]
+        return list(self.iter_shards())
 
     def labels(self, sample_ids: "torch.Tensor") -> "torch.Tensor":
         import torch
