@@ -1,0 +1,157 @@
+"""Write the reference fixtures of the release formats from the official code (random weights).
+
+For each family this builds a tiny configuration of the OFFICIAL architecture with random weights,
+saves it in the official file format and key layout under ``tests/fixtures/checkpoints/``, runs
+the official code on fixed inputs and saves its outputs next to it (``reference.npz``). The tests
+load the checkpoints with specray's loaders and compare their outputs with these arrays.
+
+The official code is imported from copies kept OUTSIDE this repository (never commit it):
+
+    OFFICIAL=/tmp/official
+    git --git-dir=<LlamaGen mirror> show HEAD:autoregressive/models/gpt.py > $OFFICIAL/LlamaGen/...
+    python tools/make_reference_fixtures.py --official $OFFICIAL [llamagen mar diffusers]
+
+Expected layout: ``$OFFICIAL/LlamaGen/{autoregressive/models/gpt.py, autoregressive/models/generate.py,
+tokenizer/tokenizer_image/vq_model.py, utils/drop_path.py}`` (FoundationVision/LlamaGen),
+``$OFFICIAL/mar/{models/mar.py, models/diffloss.py, models/vae.py, diffusion/*.py}`` (LTH14/mar).
+The diffusers models come from the installed ``diffusers`` package. README.md ("Reference
+fixtures") lists the commands. Everything runs on the CPU in float32 with fixed seeds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+OUT = REPO / "tests" / "fixtures" / "checkpoints"
+
+
+def _official_path(root: Path, name: str) -> None:
+    folder = root / name
+    if not folder.is_dir():
+        raise SystemExit(f"official code of {name} not found at {folder} (see this script's docstring)")
+    sys.path.insert(0, str(folder))
+
+
+def _randomize(module: torch.nn.Module, seed: int, gain: float = 1.0) -> None:
+    """Fan-in scaled normal weights everywhere (official inits zero some layers, which would hide bugs)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            if p.dim() >= 2:
+                fan_in = p[0].numel()
+                p.copy_(torch.randn(p.shape, generator=g) * gain / fan_in**0.5)
+            elif name.endswith("weight") and "norm" in name.lower() or name.endswith("ln.weight"):
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(0.1 * torch.randn(p.shape, generator=g))
+
+
+def _half_rounded(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Round the weights to float16 in place (the fixture files store float16 to stay small; the
+    loaders upcast) and return the float16 state dict to save."""
+    with torch.no_grad():
+        for p in list(module.parameters()) + list(module.buffers()):
+            if p.is_floating_point():
+                p.copy_(p.half().float())
+    return {k: v.half() if v.is_floating_point() else v for k, v in module.state_dict().items()}
+
+
+# ---- LlamaGen -----------------------------------------------------------------------------------
+
+LLAMAGEN_GPT = dict(n_layer=2, n_head=2, dim=32, vocab_size=64, num_classes=10, multiple_of=32)
+LLAMAGEN_DRAFT = dict(n_layer=1, n_head=2, dim=32, vocab_size=64, num_classes=10, multiple_of=32)
+LLAMAGEN_VQ = dict(codebook_size=64, codebook_embed_dim=8, z_channels=32, ch=32, ch_mult=[1, 1], num_res_blocks=1)
+LLAMAGEN_GRID = 4  # image 8 px, VQ downsampling 2
+SETTINGS = {  # (cfg_scale, temperature, top_k, top_p, cfg_interval)
+    "cfg4": (4.0, 1.0, 0, 1.0, -1),
+    "mixed": (1.75, 0.9, 20, 0.9, 2),
+}
+
+
+def make_llamagen(root: Path) -> None:
+    _official_path(root, "LlamaGen")
+    from autoregressive.models.generate import generate, logits_to_probs
+    from autoregressive.models.gpt import ModelArgs, Transformer, precompute_freqs_cis_2d
+    from tokenizer.tokenizer_image.vq_model import Decoder, Encoder
+    from tokenizer.tokenizer_image.vq_model import ModelArgs as VQArgs
+    from tokenizer.tokenizer_image.vq_model import VQModel
+
+    out = OUT / "llamagen"
+    out.mkdir(parents=True, exist_ok=True)
+    n = LLAMAGEN_GRID**2
+
+    def gpt(arch, seed):
+        model = Transformer(ModelArgs(block_size=n, cls_token_num=1, model_type="c2i", class_dropout_prob=0.1,
+                                      **arch)).eval()
+        _randomize(model, seed, gain=1.5)
+        return model
+
+    target, draft = gpt(LLAMAGEN_GPT, 1), gpt(LLAMAGEN_DRAFT, 2)
+    torch.save({"model": target.state_dict(), "steps": 1}, out / "c2i_tiny.pt")  # DDP layout (B / L / XL)
+    torch.save(draft.state_dict(), out / "c2i_tiny_draft_fsdp.pt")  # bare FSDP layout (XXL / 3B)
+
+    vq = VQModel(VQArgs(codebook_size=64, codebook_embed_dim=8, z_channels=32, dropout_p=0.0))
+    vq.encoder = Encoder(ch=32, ch_mult=(1, 1), num_res_blocks=1, z_channels=32)
+    vq.decoder = Decoder(ch=32, ch_mult=(1, 1), num_res_blocks=1, z_channels=32)
+    vq.eval()
+    _randomize(vq, 3)
+    torch.save({"model": _half_rounded(vq)}, out / "vq_tiny.pt")
+
+    g = torch.Generator().manual_seed(0)
+    labels = torch.tensor([3, 7])
+    tokens = torch.randint(0, 64, (2, n), generator=g)
+    ref: dict[str, np.ndarray] = {"labels": labels.numpy(), "tokens": tokens.numpy()}
+    with torch.no_grad():
+        full, _ = target(tokens[:, :-1], labels, input_pos=torch.arange(n))
+        ref["full_logits"] = full.numpy()
+        # The sampler's path: KV cache, [cond; uncond] rows, one token per call.
+        target.setup_caches(max_batch_size=4, max_seq_length=1 + n, dtype=torch.float32)
+        null = torch.full_like(labels, 10)
+        steps = [target(None, torch.cat([labels, null]), input_pos=torch.arange(1))[0][:, -1]]
+        for i in range(n - 1):
+            x = tokens[:, i : i + 1]
+            steps.append(target(torch.cat([x, x]), cond_idx=None, input_pos=torch.tensor([1 + i]))[0][:, -1])
+        cached = torch.stack(steps, dim=1)  # [4, n, V]
+        ref["cached_cond_logits"], ref["cached_uncond_logits"] = cached[:2].numpy(), cached[2:].numpy()
+        for name, (cfg, temp, top_k, top_p, interval) in SETTINGS.items():
+            probs = []
+            for t in range(n):
+                cond, uncond = cached[:2, t].clone(), cached[2:, t].clone()
+                flag = t == 0 or interval == -1 or (t - 1) <= interval  # decode_n_tokens' cfg_flag
+                logits = uncond + (cond - uncond) * cfg if flag else cond
+                probs.append(logits_to_probs(logits, temperature=temp, top_k=top_k, top_p=top_p))
+            ref[f"probs_{name}"] = torch.stack(probs, dim=1).numpy()
+            greedy = generate(target, labels, n, cfg_scale=cfg, cfg_interval=interval, temperature=temp,
+                              top_k=top_k, top_p=top_p, sample_logits=False)
+            ref[f"greedy_{name}"] = greedy.numpy()
+        ref["rope_head100_grid24"] = precompute_freqs_cis_2d(24, 100, 10000, 1).numpy()
+        images = torch.rand(2, 3, 8, 8, generator=g) * 2 - 1
+        ref["vq_images"] = images.numpy()
+        ref["vq_codes"] = vq.encode(images)[2][2].reshape(2, -1).numpy()
+        decoded = vq.decode_code(tokens, [2, 8, LLAMAGEN_GRID, LLAMAGEN_GRID])
+        ref["vq_decoded"] = decoded.numpy()
+        resized = torch.nn.functional.interpolate(decoded, size=(16, 16), mode="bicubic")
+        ref["vq_uint8_16"] = torch.clamp(127.5 * resized + 128.0, 0, 255).permute(0, 2, 3, 1).to(torch.uint8).numpy()
+    np.savez_compressed(out / "reference.npz", **ref)
+    print(f"wrote {out}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--official", type=Path, default=Path("/tmp/official"))
+    parser.add_argument("families", nargs="*", default=["llamagen", "mar", "diffusers"])
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    makers = {"llamagen": make_llamagen}
+    for name in args.families:
+        makers[name](args.official)
+
+
+if __name__ == "__main__":
+    main()
