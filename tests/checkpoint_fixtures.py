@@ -31,3 +31,31 @@ def llamagen_draft(**overrides) -> dict:
     return {"format": "llamagen-c2i", "path": str(FIXTURES / "llamagen" / "c2i_tiny_draft_fsdp.pt"),
             "size": "custom", "image_size": 8, "arch": dict(LLAMAGEN_DRAFT_ARCH),
             "tokenizer_arch": dict(LLAMAGEN_VQ_ARCH), **overrides}
+
+
+def tiny_reference(fmt: str, role: str) -> dict:
+    """The tiny stand-in for a release reference of format ``fmt`` as ``role`` ("target" / "draft")."""
+    makers = {"llamagen-c2i": (llamagen_target, llamagen_draft)}
+    target, draft = makers[fmt]
+    return target() if role == "target" else draft()
+
+
+def with_tiny_checkpoints(job: dict, output: str, classes: list[int], per_class: int, batch_size: int) -> dict:
+    """A real-checkpoint job with every ``{format: ...}`` model replaced by its tiny fixture, a few
+    samples, and the digits feature extractor (no InceptionV3 weights here); all else as written."""
+    job = {**job, "output": output, "batch_size": batch_size, "shard_batches": 1, "num_gpus_per_actor": 0,
+           "conditions": {"kind": "class_labels", "per_class": per_class, "classes": classes}}
+    arms = []
+    for arm in job["arms"]:
+        arm = dict(arm)
+        for role in ("target", "draft"):
+            if isinstance(arm.get(role), dict):
+                arm[role] = tiny_reference(arm[role]["format"], role)
+        if "k" in (arm.get("params") or {}):  # LANTERN's neighbourhood must fit the tiny vocabulary (64)
+            arm["params"] = {**arm["params"], "k": min(arm["params"]["k"], 8)}
+        arms.append(arm)
+    job["arms"] = arms
+    job["eval"] = {**job.get("eval", {}), "reference": "digits", "options": {"feature_extractor": "specray-digits",
+                                                                             "bootstrap_replicates": 20,
+                                                                             "speedup_replicates": 20}}
+    return job

@@ -1,0 +1,63 @@
+"""Every real-checkpoint job in jobs/checkpoints/ validates, and runs end to end through `specray run`
+on CPU with the tiny release-format fixtures in place of the released files (a few samples per
+arm), and the reducer reports it."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from specray.spec import SpecError, load_job
+from tests.checkpoint_fixtures import with_tiny_checkpoints
+
+REPO = Path(__file__).resolve().parents[1]
+JOBS = sorted((REPO / "jobs" / "checkpoints").glob("*.yaml"))
+TINY_CLASSES = {"llamagen-xl-fid50k": [0, 3, 7]}
+
+
+def raw(path: Path) -> dict:
+    return yaml.safe_load(path.read_text())
+
+
+@pytest.mark.parametrize("path", JOBS, ids=lambda p: p.stem)
+def test_job_names_the_released_files_and_refuses_them_when_absent(path, tmp_path):
+    """Without the released files the job is refused before anything runs, naming the missing file."""
+    job = raw(path)
+    assert job["conditions"]["per_class"] * (len(job["conditions"].get("classes", [])) or 1000) >= 50_000 or \
+        job["conditions"].get("classes") == "all"
+    with pytest.raises(SpecError) as info:
+        load_job({**job, "output": str(tmp_path / "run")})
+    assert info.value.field_path.startswith("arms[0].") and "does not exist" in str(info.value)
+
+
+@pytest.mark.parametrize("path", JOBS, ids=lambda p: p.stem)
+def test_job_validates_on_the_tiny_checkpoints(path, tmp_path):
+    job = raw(path)
+    spec = load_job(with_tiny_checkpoints(job, str(tmp_path / "run"), TINY_CLASSES[job["job_id"]], 2, 2))
+    assert [a.name for a in spec.arms] == [a["name"] for a in job["arms"]]
+    assert all(a.params == spec.arms[i].params for i, a in enumerate(spec.arms))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path", JOBS, ids=lambda p: p.stem)
+def test_job_runs_end_to_end_and_is_reduced(path, tmp_path):
+    job = raw(path)
+    run_dir = tmp_path / "run"
+    job_file = tmp_path / "job.yaml"
+    job_file.write_text(yaml.safe_dump(with_tiny_checkpoints(job, str(run_dir), TINY_CLASSES[job["job_id"]], 2, 2)))
+    proc = subprocess.run([sys.executable, "-m", "specray.cli", "run", str(job_file), "--num-cpus", "2", "--quiet"],
+                          capture_output=True, text=True, timeout=900, cwd=tmp_path,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads((run_dir / "report" / "report.json").read_text())
+    arms = {a["arm"]: a for a in report["arms"]}
+    assert set(arms) == {a["name"] for a in job["arms"]}
+    for arm in arms.values():
+        assert arm["num_samples"] == 2 * len(TINY_CLASSES[job["job_id"]])
+        assert arm["fid"]["value"] is not None
