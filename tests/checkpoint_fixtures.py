@@ -35,7 +35,7 @@ def llamagen_draft(**overrides) -> dict:
 
 def tiny_reference(fmt: str, role: str) -> dict:
     """The tiny stand-in for a release reference of format ``fmt`` as ``role`` ("target" / "draft")."""
-    makers = {"llamagen-c2i": (llamagen_target, llamagen_draft)}
+    makers = {"llamagen-c2i": (llamagen_target, llamagen_draft), "diffusers-ddpm": (ddpm_target, ddpm_draft)}
     target, draft = makers[fmt]
     return target() if role == "target" else draft()
 
@@ -59,3 +59,11 @@ def with_tiny_checkpoints(job: dict, output: str, classes: list[int], per_class:
                                                                              "bootstrap_replicates": 20,
                                                                              "speedup_replicates": 20}}
     return job
+
+
+def ddpm_target(**overrides) -> dict:
+    return {"format": "diffusers-ddpm", "path": str(FIXTURES / "ddpm" / "ddpm_tiny"), **overrides}
+
+
+def ddpm_draft(**overrides) -> dict:
+    return {"format": "diffusers-ddpm", "path": str(FIXTURES / "ddpm" / "ddpm_tiny_draft"), **overrides}

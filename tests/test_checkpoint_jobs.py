@@ -18,7 +18,7 @@ from tests.checkpoint_fixtures import with_tiny_checkpoints
 
 REPO = Path(__file__).resolve().parents[1]
 JOBS = sorted((REPO / "jobs" / "checkpoints").glob("*.yaml"))
-TINY_CLASSES = {"llamagen-xl-fid50k": [0, 3, 7]}
+TINY_CLASSES = {"llamagen-xl-fid50k": [0, 3, 7], "ddpm-cifar10-fid50k": [0]}
 
 
 def raw(path: Path) -> dict:

@@ -142,13 +142,72 @@ def make_llamagen(root: Path) -> None:
     print(f"wrote {out}")
 
 
+# ---- diffusers pixel DDPM --------------------------------------------------------------------------
+
+DDPM_UNET = dict(sample_size=8, in_channels=3, out_channels=3, block_out_channels=(32, 32), layers_per_block=1,
+                 down_block_types=("DownBlock2D", "AttnDownBlock2D"), up_block_types=("AttnUpBlock2D", "UpBlock2D"),
+                 attention_head_dim=None, freq_shift=1, flip_sin_to_cos=False, downsample_padding=0, norm_eps=1e-6)
+# google/ddpm-cifar10-32's early scheduler_config.json layout.
+DDPM_SCHEDULER = {"_class_name": "DDPMScheduler", "_diffusers_version": "0.1.1", "timesteps": 1000,
+                  "beta_start": 0.0001, "beta_end": 0.02, "beta_schedule": "linear", "variance_type": "fixed_large",
+                  "clip_sample": True, "trained_betas": None}
+LEGACY = {"to_q": "query", "to_k": "key", "to_v": "value", "to_out.0": "proj_attn"}
+
+
+def make_diffusers(root: Path) -> None:  # noqa: ARG001  (diffusers is the installed package)
+    import json
+    import re
+
+    from diffusers import DDPMScheduler, UNet2DModel
+    from diffusers.utils.torch_utils import randn_tensor
+    from safetensors.torch import save_file
+
+    out = OUT / "ddpm"
+    ref: dict[str, np.ndarray] = {}
+    for name, seed, legacy in (("ddpm_tiny", 11, True), ("ddpm_tiny_draft", 12, False)):
+        folder = out / name
+        folder.mkdir(parents=True, exist_ok=True)
+        unet = UNet2DModel(**DDPM_UNET).eval()
+        _randomize(unet, seed)
+        unet.save_config(folder)
+        (folder / "scheduler_config.json").write_text(json.dumps(DDPM_SCHEDULER, indent=2))
+        state = _half_rounded(unet)
+        if legacy:  # early hub weights: legacy attention names in a pickled .bin
+            state = {re.sub(r"\.(to_q|to_k|to_v|to_out\.0)\.", lambda m: f".{LEGACY[m.group(1)]}.", k): v
+                     for k, v in state.items()}
+            torch.save(state, folder / "diffusion_pytorch_model.bin")
+        else:
+            save_file({k: v.contiguous() for k, v in state.items()}, str(folder / "diffusion_pytorch_model.safetensors"))
+        if legacy:
+            target = unet
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 3, 8, 8, generator=g)
+    ref["x"] = x.numpy()
+    with torch.no_grad():
+        ref["unet_t"] = np.array([500, 37])
+        ref["unet_out"] = target(x, torch.tensor([500, 37])).sample.numpy()
+        cases = {"large1000": ("fixed_large", 1000, 500), "large10": ("fixed_large", 10, 900),
+                 "small1000": ("fixed_small", 1000, 500), "large1000_last": ("fixed_large", 1000, 0)}
+        for case, (variance, steps, t) in cases.items():
+            config = {k: v for k, v in DDPM_SCHEDULER.items() if not k.startswith("_") and k != "timesteps"}
+            scheduler = DDPMScheduler(num_train_timesteps=1000, **{**config, "variance_type": variance})
+            scheduler.set_timesteps(steps)
+            eps = target(x, torch.tensor([t, t])).sample
+            noise = randn_tensor(x.shape, generator=torch.Generator().manual_seed(5))
+            prev = scheduler.step(eps, t, x, generator=torch.Generator().manual_seed(5)).prev_sample
+            ref[f"step_{case}_noise"], ref[f"step_{case}"] = noise.numpy(), prev.numpy()
+            ref[f"step_{case}_t"] = np.array(t)
+    np.savez_compressed(out / "reference.npz", **ref)
+    print(f"wrote {out}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--official", type=Path, default=Path("/tmp/official"))
     parser.add_argument("families", nargs="*", default=["llamagen", "mar", "diffusers"])
     args = parser.parse_args()
     torch.manual_seed(0)
-    makers = {"llamagen": make_llamagen}
+    makers = {"llamagen": make_llamagen, "diffusers": make_diffusers}
     for name in args.families:
         makers[name](args.official)
 

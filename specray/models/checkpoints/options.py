@@ -188,7 +188,7 @@ class MAROptions(FormatOptions):
 def check_folder(field: str, value: str, required: tuple[str, ...]) -> Path:
     folder = Path(value).expanduser()
     if not folder.is_dir():
-        raise ParamError(field, f"{value!r} is not a directory (a diffusers model folder)")
+        raise ParamError(field, f"{value!r} does not exist or is not a directory (a diffusers model folder)")
     for name in required:
         if not (folder / name).is_file():
             raise ParamError(field, f"{value!r} has no {name}")
