@@ -6,6 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import pytest
+import torch
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "checkpoints"
 
@@ -35,7 +37,8 @@ def llamagen_draft(**overrides) -> dict:
 
 def tiny_reference(fmt: str, role: str) -> dict:
     """The tiny stand-in for a release reference of format ``fmt`` as ``role`` ("target" / "draft")."""
-    makers = {"llamagen-c2i": (llamagen_target, llamagen_draft), "diffusers-ddpm": (ddpm_target, ddpm_draft)}
+    makers = {"llamagen-c2i": (llamagen_target, llamagen_draft), "diffusers-ddpm": (ddpm_target, ddpm_draft),
+              "mar": (mar_target, mar_draft)}
     target, draft = makers[fmt]
     return target() if role == "target" else draft()
 
@@ -67,3 +70,30 @@ def ddpm_target(**overrides) -> dict:
 
 def ddpm_draft(**overrides) -> dict:
     return {"format": "diffusers-ddpm", "path": str(FIXTURES / "ddpm" / "ddpm_tiny_draft"), **overrides}
+
+
+MAR_ARCH = {"width": 32, "depth": 2, "heads": 2, "diffloss_depth": 2, "diffloss_width": 32, "seq_len": 16,
+            "token_dim": 4, "buffer_size": 4, "num_classes": 10}
+MAR_DRAFT_ARCH = {**MAR_ARCH, "depth": 1, "diffloss_depth": 1}
+KL_ARCH = {"embed_dim": 4, "ch": 32, "ch_mult": [1, 1], "num_res_blocks": 1}
+
+
+def mar_target(**overrides) -> dict:
+    return {"format": "mar", "path": str(FIXTURES / "mar" / "mar_tiny.pth"), "size": "custom",
+            "arch": dict(MAR_ARCH), "vae": str(FIXTURES / "mar" / "kl_tiny.ckpt"), "vae_arch": dict(KL_ARCH),
+            **overrides}
+
+
+def mar_draft(**overrides) -> dict:
+    return {"format": "mar", "path": str(FIXTURES / "mar" / "mar_tiny_draft.pth"), "size": "custom",
+            "arch": dict(MAR_DRAFT_ARCH), **overrides}
+
+
+@pytest.fixture(scope="module", autouse=False)
+def single_thread():
+    """One intra-op thread while a module runs: these tiny models are dominated by per-op overhead,
+    which extra threads multiply on a loaded machine (as the actors do, one thread per CPU)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

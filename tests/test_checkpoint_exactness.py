@@ -15,7 +15,9 @@ from scipy.stats import chi2_contingency
 from specray.families import format_options, resolve
 from specray.methods.discrete.loop import generate_tokens
 from specray.models.discrete_ar import load_pair
-from tests.checkpoint_fixtures import llamagen_draft, llamagen_target
+from tests.checkpoint_fixtures import llamagen_draft, llamagen_target, single_thread  # noqa: F401
+
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 N = 1000
 LABEL = 3

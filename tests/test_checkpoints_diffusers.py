@@ -14,7 +14,9 @@ import torch
 from specray.methods.diffusion.loop import _step, model_chain
 from specray.methods.diffusion.params import TargetOnly
 from specray.models.diffusion import load_pair
-from tests.checkpoint_fixtures import ddpm_draft, ddpm_target, reference
+from tests.checkpoint_fixtures import ddpm_draft, ddpm_target, reference, single_thread  # noqa: F401
+
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 REF = reference("ddpm")
 

@@ -18,7 +18,9 @@ from specray.methods.discrete.params import Sampling
 from specray.models.checkpoints.autoencoders import VQModel
 from specray.models.checkpoints.llamagen import load
 from specray.models.discrete_ar import GPTConfig, load_pair, precompute_rope_2d
-from tests.checkpoint_fixtures import llamagen_draft, llamagen_target, reference
+from tests.checkpoint_fixtures import llamagen_draft, llamagen_target, reference, single_thread  # noqa: F401
+
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 REF = reference("llamagen")
 N = REF["tokens"].shape[1]

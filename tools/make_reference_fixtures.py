@@ -142,6 +142,117 @@ def make_llamagen(root: Path) -> None:
     print(f"wrote {out}")
 
 
+# ---- MAR + DiffLoss + KL ----------------------------------------------------------------------------
+
+MAR_TINY = dict(img_size=8, vae_stride=2, patch_size=1, encoder_embed_dim=32, encoder_depth=2, encoder_num_heads=2,
+                decoder_embed_dim=32, decoder_depth=2, decoder_num_heads=2, mlp_ratio=4, vae_embed_dim=4,
+                buffer_size=4, diffloss_d=2, diffloss_w=32, num_sampling_steps="100", class_num=10)
+MAR_TINY_DRAFT = {**MAR_TINY, "encoder_depth": 1, "decoder_depth": 1, "diffloss_d": 1}
+
+
+class _NoiseRecorder:
+    """Records every torch.randn / randn_like draw (the official DiffLoss sampler's noise)."""
+
+    def __init__(self) -> None:
+        self.draws: list[torch.Tensor] = []
+        self._randn, self._randn_like = torch.randn, torch.randn_like
+
+    def __enter__(self) -> "_NoiseRecorder":
+        def randn(*args, **kwargs):
+            out = self._randn(*args, **kwargs)
+            self.draws.append(out.clone())
+            return out
+
+        def randn_like(x, **kwargs):
+            out = self._randn_like(x, **kwargs)
+            self.draws.append(out.clone())
+            return out
+
+        torch.randn, torch.randn_like = randn, randn_like
+        return self
+
+    def __exit__(self, *exc) -> None:
+        torch.randn, torch.randn_like = self._randn, self._randn_like
+
+
+def make_mar(root: Path) -> None:
+    import argparse as ap
+    from functools import partial
+
+    _official_path(root, "mar")
+    # The official sampler moves tensors with .cuda(); on this CPU-only machine that is the identity.
+    torch.Tensor.cuda = lambda self, *args, **kwargs: self
+    from models.mar import MAR
+    from models.vae import AutoencoderKL, Decoder, Encoder
+
+    out = OUT / "mar"
+    out.mkdir(parents=True, exist_ok=True)
+    norm = partial(torch.nn.LayerNorm, eps=1e-6)
+
+    def mar(config, seed):
+        model = MAR(norm_layer=norm, **config).eval()
+        _randomize(model, seed)
+        return model
+
+    target, ema, draft = mar(MAR_TINY, 21), mar(MAR_TINY, 22), mar(MAR_TINY_DRAFT, 23)
+    args = ap.Namespace(model="mar_tiny", num_iter=16, cfg=3.0)
+    torch.save({"model": _half_rounded(target), "model_ema": _half_rounded(ema), "epoch": 1, "args": args},
+               out / "mar_tiny.pth")
+    torch.save({"model": _half_rounded(mar(MAR_TINY_DRAFT, 24)), "model_ema": _half_rounded(draft), "epoch": 1},
+               out / "mar_tiny_draft.pth")
+
+    vae = AutoencoderKL(embed_dim=4, ch_mult=(1, 1))
+    vae.encoder = Encoder(ch=32, ch_mult=(1, 1), num_res_blocks=1, resolution=32, z_channels=4)
+    vae.decoder = Decoder(ch=32, ch_mult=(1, 1), num_res_blocks=1, resolution=32, z_channels=4)
+    vae.quant_conv = torch.nn.Conv2d(8, 8, 1)
+    vae.post_quant_conv = torch.nn.Conv2d(4, 4, 1)
+    vae.eval()
+    _randomize(vae, 25)
+    state = _half_rounded(vae)
+    state["loss.logvar"] = torch.zeros(())  # LDM training checkpoints carry their loss module
+    torch.save({"model": state}, out / "kl_tiny.ckpt")
+
+    g = torch.Generator().manual_seed(0)
+    ref: dict[str, np.ndarray] = {}
+    model = ema  # evaluation uses model_ema
+    with torch.no_grad():
+        tokens = torch.randn(2, 16, 4, generator=g)
+        order = torch.stack([torch.randperm(16, generator=g) for _ in range(2)])
+        mask = torch.zeros(2, 16)
+        mask.scatter_(1, order[:, :10], 1.0)  # 10 of 16 masked (the first 10 of MAR's order)
+        labels = torch.tensor([3, 7])
+        for name, embedding in (("cond", model.class_emb(labels)), ("uncond", model.fake_latent.repeat(2, 1))):
+            z = model.forward_mae_decoder(model.forward_mae_encoder(tokens, mask, embedding), mask)
+            ref[f"z_{name}"] = z.numpy()
+        ref.update(tokens=tokens.numpy(), mask=mask.numpy(), labels=labels.numpy())
+        # One DiffLoss sample with CFG 3 at temperature 0.95, and one without CFG, for recorded noise.
+        z_rows = torch.cat([torch.tensor(ref["z_cond"][:, 12]), torch.tensor(ref["z_uncond"][:, 12])])
+        for name, cfg, rows in (("cfg", 3.0, z_rows), ("nocfg", 1.0, z_rows[:2])):
+            with _NoiseRecorder() as rec:
+                sample = model.diffloss.sample(rows, temperature=0.95, cfg=cfg)
+            ref[f"diffloss_{name}_z"] = rows.numpy()
+            ref[f"diffloss_{name}_xT"] = rec.draws[0][:2].numpy()
+            ref[f"diffloss_{name}_noise"] = torch.stack([d[:2] for d in rec.draws[1:]], dim=1).numpy()  # step T-1 first
+            ref[f"diffloss_{name}_sample"] = sample[:2].numpy()
+        # The whole sampler at num_iter = L (one token per step), linear CFG 3, with recorded order and noise.
+        mar_order = torch.stack([torch.randperm(16, generator=g) for _ in range(2)])
+        model.sample_orders = lambda bsz: mar_order.clone()
+        with _NoiseRecorder() as rec:
+            sampled = model.sample_tokens(2, num_iter=16, cfg=3.0, cfg_schedule="linear", labels=labels, temperature=1.0)
+        per_step = len(rec.draws) // 16  # x_T, then one draw per diffusion step
+        ref["sample_order"] = mar_order.numpy()
+        ref["sample_xT"] = torch.stack([rec.draws[k * per_step][:2] for k in range(16)], 1).numpy()
+        ref["sample_noise"] = torch.stack([torch.stack([d[:2] for d in rec.draws[k * per_step + 1 : (k + 1) * per_step]], 1)
+                                           for k in range(16)], 1).numpy()  # [B, step k, diffusion step, C]
+        ref["sample_tokens"] = model.patchify(sampled).numpy()  # [B, L, C] spatial
+        latents = torch.tensor(ref["sample_tokens"]).reshape(2, 4, 4, 4).permute(0, 3, 1, 2)
+        images = vae.decode(latents / 0.2325)
+        ref["vae_decoded"] = images.numpy()
+        ref["vae_uint8"] = np.round(np.clip(((images + 1) / 2).numpy().transpose(0, 2, 3, 1) * 255, 0, 255)).astype(np.uint8)
+    np.savez_compressed(out / "reference.npz", **ref)
+    print(f"wrote {out}")
+
+
 # ---- diffusers pixel DDPM --------------------------------------------------------------------------
 
 DDPM_UNET = dict(sample_size=8, in_channels=3, out_channels=3, block_out_channels=(32, 32), layers_per_block=1,
@@ -207,7 +318,7 @@ def main() -> None:
     parser.add_argument("families", nargs="*", default=["llamagen", "mar", "diffusers"])
     args = parser.parse_args()
     torch.manual_seed(0)
-    makers = {"llamagen": make_llamagen, "diffusers": make_diffusers}
+    makers = {"llamagen": make_llamagen, "mar": make_mar, "diffusers": make_diffusers}
     for name in args.families:
         makers[name](args.official)
 

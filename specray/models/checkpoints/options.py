@@ -177,8 +177,7 @@ class MAROptions(FormatOptions):
     def sampling_defaults(self) -> dict[str, Any]:
         # README evaluation: --num_iter 256 --num_sampling_steps 100 --cfg_schedule linear --temperature 1.0.
         return {"cfg": MAR_FID_CFG.get(self.size, 3.0), "cfg_schedule": "linear", "temperature": 1.0,
-                "order": "random", "clip_denoised": False, "sample_steps": self.num_sampling_steps,
-                "order_semantics": "mar"}
+                "order": "random", "clip_denoised": False, "sample_steps": self.num_sampling_steps}
 
     @property
     def num_classes(self) -> int | None:
