@@ -38,7 +38,7 @@ def llamagen_draft(**overrides) -> dict:
 def tiny_reference(fmt: str, role: str) -> dict:
     """The tiny stand-in for a release reference of format ``fmt`` as ``role`` ("target" / "draft")."""
     makers = {"llamagen-c2i": (llamagen_target, llamagen_draft), "diffusers-ddpm": (ddpm_target, ddpm_draft),
-              "mar": (mar_target, mar_draft)}
+              "mar": (mar_target, mar_draft), "diffusers-dit": (dit_target, dit_target)}
     target, draft = makers[fmt]
     return target() if role == "target" else draft()
 
@@ -97,3 +97,7 @@ def single_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+def dit_target(**overrides) -> dict:
+    return {"format": "diffusers-dit", "path": str(FIXTURES / "dit" / "dit_tiny"), **overrides}

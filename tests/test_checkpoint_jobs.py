@@ -18,7 +18,9 @@ from tests.checkpoint_fixtures import with_tiny_checkpoints
 
 REPO = Path(__file__).resolve().parents[1]
 JOBS = sorted((REPO / "jobs" / "checkpoints").glob("*.yaml"))
-TINY_CLASSES = {"llamagen-xl-fid50k": [0, 3, 7], "ddpm-cifar10-fid50k": [0]}
+# (classes, samples per class) of the tiny runs: the reducer's bootstrap wants a few samples per arm.
+TINY = {"llamagen-xl-fid50k": ([0, 3, 7], 2), "ddpm-cifar10-fid50k": ([0], 6), "mar-h-cspd-fid50k": ([1, 4], 2),
+        "dit-xl2-fid50k": ([2, 5], 3)}
 
 
 def raw(path: Path) -> dict:
@@ -39,7 +41,7 @@ def test_job_names_the_released_files_and_refuses_them_when_absent(path, tmp_pat
 @pytest.mark.parametrize("path", JOBS, ids=lambda p: p.stem)
 def test_job_validates_on_the_tiny_checkpoints(path, tmp_path):
     job = raw(path)
-    spec = load_job(with_tiny_checkpoints(job, str(tmp_path / "run"), TINY_CLASSES[job["job_id"]], 2, 2))
+    spec = load_job(with_tiny_checkpoints(job, str(tmp_path / "run"), *TINY[job["job_id"]], 2))
     assert [a.name for a in spec.arms] == [a["name"] for a in job["arms"]]
     assert all(a.params == spec.arms[i].params for i, a in enumerate(spec.arms))
 
@@ -50,7 +52,8 @@ def test_job_runs_end_to_end_and_is_reduced(path, tmp_path):
     job = raw(path)
     run_dir = tmp_path / "run"
     job_file = tmp_path / "job.yaml"
-    job_file.write_text(yaml.safe_dump(with_tiny_checkpoints(job, str(run_dir), TINY_CLASSES[job["job_id"]], 2, 2)))
+    classes, per_class = TINY[job["job_id"]]
+    job_file.write_text(yaml.safe_dump(with_tiny_checkpoints(job, str(run_dir), classes, per_class, 2)))
     proc = subprocess.run([sys.executable, "-m", "specray.cli", "run", str(job_file), "--num-cpus", "2", "--quiet"],
                           capture_output=True, text=True, timeout=900, cwd=tmp_path,
                           env={**os.environ, "PYTHONPATH": str(REPO)})
@@ -59,5 +62,5 @@ def test_job_runs_end_to_end_and_is_reduced(path, tmp_path):
     arms = {a["arm"]: a for a in report["arms"]}
     assert set(arms) == {a["name"] for a in job["arms"]}
     for arm in arms.values():
-        assert arm["num_samples"] == 2 * len(TINY_CLASSES[job["job_id"]])
+        assert arm["num_samples"] == per_class * len(classes)
         assert arm["fid"]["value"] is not None

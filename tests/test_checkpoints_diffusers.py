@@ -14,7 +14,7 @@ import torch
 from specray.methods.diffusion.loop import _step, model_chain
 from specray.methods.diffusion.params import TargetOnly
 from specray.models.diffusion import load_pair
-from tests.checkpoint_fixtures import ddpm_draft, ddpm_target, reference, single_thread  # noqa: F401
+from tests.checkpoint_fixtures import ddpm_draft, ddpm_target, dit_target, reference, single_thread  # noqa: F401
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -63,4 +63,37 @@ def test_official_sampler_defaults_and_rgb_images(pair):
     defaults = format_options("diffusion", ddpm_target()).sampling_defaults()
     assert defaults == {"num_steps": 1000, "guidance_scale": 1.0}
     out = run_batch("target_only", {"num_steps": 10}, pair, torch.zeros(2, dtype=torch.int64), torch.arange(2), 0)
+    assert out.images.shape == (2, 8, 8, 3) and out.images.dtype == torch.uint8
+
+
+# ---- latent DiT (diffusers pipeline folder) --------------------------------------------------------
+
+DIT = reference("dit")
+
+
+@pytest.fixture(scope="module")
+def dit_pair():
+    return load_pair(dit_target(), None, "cpu")
+
+
+def test_dit_transformer_output_and_guidance(dit_pair):
+    """The transformer's eps channels for labels incl. the null class (10); CFG guides all latent channels."""
+    x, t = torch.tensor(DIT["x"]), torch.tensor(DIT["t"])
+    close(dit_pair.target(x, t, torch.tensor(DIT["labels"])), DIT["transformer_out"][:, :4])
+    guided = dit_pair.target(x[:1], t[:1], torch.tensor([3]), 1.5)
+    cond, null = DIT["transformer_out"][0, :4], None
+    null = dit_pair.target(x[:1], t[:1], torch.tensor([10]))[0].double().numpy()
+    close(guided[0], null + 1.5 * (cond - null))
+
+
+def test_dit_vae_decode_and_sampler_defaults(dit_pair):
+    from specray.families import format_options
+    from specray.methods.diffusion.loop import run_batch
+
+    decode = dit_pair.info["image_decoder"]
+    x = torch.tensor(DIT["x"])
+    close(decode.vae.decode(x / decode.vae.config.scaling_factor).sample, DIT["vae_decoded"])
+    assert format_options("diffusion", dit_target()).sampling_defaults() == {"num_steps": 250, "guidance_scale": 1.5}
+    out = run_batch("spec_block", {"num_steps": 20, "guidance_scale": 1.5}, dit_pair, torch.tensor([1, 2]),
+                    torch.arange(2), 0)
     assert out.images.shape == (2, 8, 8, 3) and out.images.dtype == torch.uint8

@@ -105,3 +105,37 @@ def test_ema_weights_are_the_ones_loaded(loaded):
     raw = torch.load(mar_target()["path"], weights_only=False)  # the fixture this project wrote: trusted
     assert torch.equal(loaded[0].net.class_emb.weight, raw["model_ema"]["class_emb.weight"].float())
     assert not torch.equal(loaded[0].net.class_emb.weight, raw["model"]["class_emb.weight"].float())
+
+
+@pytest.fixture(scope="module")
+def mar_pairs():
+    return load_pair(mar_target(), mar_target(), "cpu"), load_pair(mar_target(), mar_draft(), "cpu")
+
+
+def test_cspd_with_the_target_as_its_own_draft_at_gamma_1_is_target_only(mar_pairs):
+    """Spec cspd.md T8 on the release format: Mq := Mp and gamma 1 give log r == 0, acceptance 1 and the
+    target-only images bit for bit (official defaults: CFG 3 linear, T 1; 20 DiffLoss steps for speed)."""
+    from specray.methods.continuous.loop import run_batch
+
+    same, _ = mar_pairs
+    params = format_options("continuous_ar", mar_target()).sampling_defaults() | {"sample_steps": 20}
+    labels, sids = torch.tensor([3, 7]), torch.tensor([10, 11])
+    base = run_batch("target_only", params, same, labels, sids, seed=5)
+    out = run_batch("cspd", params | {"mode": "paper", "gamma": 1}, same, labels, sids, seed=5)
+    assert torch.equal(out.images, base.images)
+    assert all(s.draft_acceptance_rate == 1.0 and s.extra["mean_log_ratio"] == 0.0 for s in out.stats)
+
+
+@pytest.mark.parametrize("window", ["mar", "sequential"])
+def test_cspd_mar_drafts_for_mar_call_counts(mar_pairs, window):
+    from specray.methods.continuous.loop import run_batch
+
+    _, pair = mar_pairs
+    params = format_options("continuous_ar", mar_target()).sampling_defaults() | {"sample_steps": 10, "gamma": 4,
+                                                                                  "window": window}
+    out = run_batch("cspd", params, pair, torch.tensor([1, 2]), torch.arange(2), 0)
+    assert out.images.shape == (2, 8, 8, 3)
+    for s in out.stats:
+        assert s.num_tokens == 16
+        if window == "mar":  # (floor(rho L) + 1) pre-fill steps + one verify call per window (spec 7.7)
+            assert s.target_calls == 1 + len([k for k in range(1, 16) if k % 4 == 0 or k == 15])

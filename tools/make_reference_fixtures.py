@@ -56,7 +56,7 @@ def _half_rounded(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Round the weights to float16 in place (the fixture files store float16 to stay small; the
     loaders upcast) and return the float16 state dict to save."""
     with torch.no_grad():
-        for p in list(module.parameters()) + list(module.buffers()):
+        for p in module.state_dict(keep_vars=True).values():  # saved tensors only (not recomputed buffers)
             if p.is_floating_point():
                 p.copy_(p.half().float())
     return {k: v.half() if v.is_floating_point() else v for k, v in module.state_dict().items()}
@@ -308,6 +308,35 @@ def make_diffusers(root: Path) -> None:  # noqa: ARG001  (diffusers is the insta
             prev = scheduler.step(eps, t, x, generator=torch.Generator().manual_seed(5)).prev_sample
             ref[f"step_{case}_noise"], ref[f"step_{case}"] = noise.numpy(), prev.numpy()
             ref[f"step_{case}_t"] = np.array(t)
+    np.savez_compressed(out / "reference.npz", **ref)
+    print(f"wrote {out}")
+    make_dit()
+
+
+def make_dit() -> None:
+    """A tiny DiT pipeline folder (transformer/, vae/, scheduler/) as diffusers saves facebook/DiT-XL-2-256."""
+    from diffusers import AutoencoderKL, DDPMScheduler, DiTTransformer2DModel
+
+    out = OUT / "dit"
+    folder = out / "dit_tiny"
+    transformer = DiTTransformer2DModel(num_attention_heads=2, attention_head_dim=8, in_channels=4, out_channels=8,
+                                        num_layers=1, sample_size=4, patch_size=2, num_embeds_ada_norm=10).eval()
+    vae = AutoencoderKL(in_channels=3, out_channels=3, latent_channels=4, block_out_channels=(32, 32),
+                        down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2,
+                        layers_per_block=1, norm_num_groups=32, sample_size=8).eval()
+    _randomize(transformer, 31)
+    _randomize(vae, 32)
+    for model in (transformer, vae):
+        _half_rounded(model)
+    DDPMScheduler(num_train_timesteps=1000, beta_schedule="linear").save_pretrained(folder / "scheduler")
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 4, 4, 4, generator=g)
+    with torch.no_grad():
+        ref = {"x": x.numpy(), "t": np.array([500, 37]), "labels": np.array([3, 10])}
+        ref["transformer_out"] = transformer(x, timestep=torch.tensor([500, 37]), class_labels=torch.tensor([3, 10])).sample.numpy()
+        ref["vae_decoded"] = vae.decode(x / vae.config.scaling_factor).sample.numpy()
+    for name, model in (("transformer", transformer), ("vae", vae)):  # after the reference: half() rounds buffers too
+        model.half().save_pretrained(folder / name)  # float16 files; the loader upcasts
     np.savez_compressed(out / "reference.npz", **ref)
     print(f"wrote {out}")
 
