@@ -99,7 +99,6 @@ def gpt_costs(cfg: dict, batch: int, device: torch.device, dtype: torch.dtype, r
             tokens = torch.randint(0, model.config.vocab_size, (rows, n), device=device)
             positions = start + torch.arange(n, device=device).expand(rows, n)
             out[f"{name}/{n}"] = timed(lambda: model.forward_step(tokens, positions, cache, prefix=False), device, reps)
-        del model, cache
     return out
 
 
@@ -126,7 +125,6 @@ def mar_costs(cfg: dict, batch: int, device: torch.device, dtype: torch.dtype, r
                 return x
 
             out[f"{name}/{n}"] = timed(call, device, reps)
-        del net
     return out
 
 
@@ -141,7 +139,6 @@ def denoiser_costs(cfg: dict, batch: int, device: torch.device, dtype: torch.dty
         x = torch.randn(batch * mult, 3, size, size, device=device, dtype=dtype)
         t = torch.full((batch * mult,), 500, device=device)
         out[f"DDPM-CIFAR10/{mult}"] = timed(lambda: unet(x, t).sample, device, reps)
-    del unet
     dit = DiTTransformer2DModel(**cfg["dit"]).to(device=device, dtype=dtype).eval()
     size = cfg["dit"]["sample_size"]
     for mult in (1, GAMMA_DIFF - 1, GAMMA_DIFF):
@@ -150,7 +147,6 @@ def denoiser_costs(cfg: dict, batch: int, device: torch.device, dtype: torch.dty
         t = torch.full((rows,), 500, device=device)
         labels = torch.randint(0, cfg["dit"]["num_embeds_ada_norm"], (rows,), device=device)
         out[f"DiT-XL-2/{mult}"] = timed(lambda: dit(x, timestep=t, class_labels=labels).sample, device, reps)
-    del dit
     return out
 
 

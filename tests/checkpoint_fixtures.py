@@ -18,6 +18,14 @@ LLAMAGEN_VQ_ARCH = {"codebook_size": 64, "codebook_embed_dim": 8, "z_channels": 
                     "num_res_blocks": 1}
 
 
+def assert_close(actual, expected: np.ndarray, atol: float = 1e-5) -> None:
+    """Spec checkpoints.md's rule: ``|x - ref| <= atol + 1e-5 |ref|`` elementwise (x in float64)."""
+    actual = actual.detach().cpu().double().numpy()
+    assert actual.shape == expected.shape, (actual.shape, expected.shape)
+    excess = np.abs(actual - expected) - (atol + 1e-5 * np.abs(expected))
+    assert excess.max() <= 0, f"max excess {excess.max():.3g} over the tolerance"
+
+
 def reference(family: str) -> dict[str, np.ndarray]:
     with np.load(FIXTURES / family / "reference.npz", allow_pickle=False) as data:
         return {k: data[k] for k in data.files}
@@ -45,7 +53,8 @@ def tiny_reference(fmt: str, role: str) -> dict:
 
 def with_tiny_checkpoints(job: dict, output: str, classes: list[int], per_class: int, batch_size: int) -> dict:
     """A real-checkpoint job with every ``{format: ...}`` model replaced by its tiny fixture, a few
-    samples, and the digits feature extractor (no InceptionV3 weights here); all else as written."""
+    samples, 20 denoising / DiffLoss steps and the digits feature extractor (no InceptionV3 weights
+    here); arms, methods and their other parameters as written."""
     job = {**job, "output": output, "batch_size": batch_size, "shard_batches": 1, "num_gpus_per_actor": 0,
            "conditions": {"kind": "class_labels", "per_class": per_class, "classes": classes}}
     arms = []
@@ -56,6 +65,11 @@ def with_tiny_checkpoints(job: dict, output: str, classes: list[int], per_class:
                 arm[role] = tiny_reference(arm[role]["format"], role)
         if "k" in (arm.get("params") or {}):  # LANTERN's neighbourhood must fit the tiny vocabulary (64)
             arm["params"] = {**arm["params"], "k": min(arm["params"]["k"], 8)}
+        # Fewer denoising / DiffLoss steps than the official 1000 / 250 / 100, to keep CPU runs short.
+        if arm["family"] == "diffusion":
+            arm["params"] = {**(arm.get("params") or {}), "num_steps": 20}
+        if arm["family"] == "continuous_ar":
+            arm["params"] = {**(arm.get("params") or {}), "sample_steps": 20}
         arms.append(arm)
     job["arms"] = arms
     job["eval"] = {**job.get("eval", {}), "reference": "digits", "options": {"feature_extractor": "specray-digits",

@@ -7,25 +7,19 @@ classes on a tiny UNet with random weights). Tolerance |x - ref| <= 1e-5 + 1e-5 
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 
 from specray.methods.diffusion.loop import _step, model_chain
 from specray.methods.diffusion.params import TargetOnly
 from specray.models.diffusion import load_pair
-from tests.checkpoint_fixtures import ddpm_draft, ddpm_target, dit_target, reference, single_thread  # noqa: F401
+from tests.checkpoint_fixtures import assert_close as close, ddpm_draft, ddpm_target, dit_target, reference, single_thread  # noqa: F401
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
 REF = reference("ddpm")
 
 
-def close(actual: torch.Tensor, expected: np.ndarray, atol: float = 1e-5) -> None:
-    actual = actual.detach().double().numpy()
-    assert actual.shape == expected.shape
-    excess = np.abs(actual - expected) - (atol + 1e-5 * np.abs(expected))
-    assert excess.max() <= 0, f"max excess {excess.max():.3g}"
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ from specray.methods.discrete.params import Sampling
 from specray.models.checkpoints.autoencoders import VQModel
 from specray.models.checkpoints.llamagen import load
 from specray.models.discrete_ar import GPTConfig, load_pair, precompute_rope_2d
-from tests.checkpoint_fixtures import llamagen_draft, llamagen_target, reference, single_thread  # noqa: F401
+from tests.checkpoint_fixtures import assert_close as close, llamagen_draft, llamagen_target, reference, single_thread  # noqa: F401
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -26,11 +26,6 @@ REF = reference("llamagen")
 N = REF["tokens"].shape[1]
 
 
-def close(actual: torch.Tensor, expected: np.ndarray, atol: float) -> None:
-    actual = actual.detach().cpu().double().numpy()
-    assert actual.shape == expected.shape
-    excess = np.abs(actual - expected) - (atol + 1e-5 * np.abs(expected))
-    assert excess.max() <= 0, f"max excess {excess.max():.3g} over tolerance"
 
 
 @pytest.fixture(scope="module")

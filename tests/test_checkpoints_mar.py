@@ -20,18 +20,13 @@ from specray.methods.continuous.params import TargetOnly
 from specray.models.checkpoints.mar import load
 from specray.models.continuous_ar import load_pair
 from specray.models.continuous_schedule import DiffusionSchedule
-from tests.checkpoint_fixtures import mar_draft, mar_target, reference, single_thread  # noqa: F401
+from tests.checkpoint_fixtures import assert_close as close, mar_draft, mar_target, reference, single_thread  # noqa: F401
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
 REF = reference("mar")
 
 
-def close(actual: torch.Tensor, expected: np.ndarray, atol: float = 1e-5) -> None:
-    actual = actual.detach().double().numpy()
-    assert actual.shape == expected.shape
-    excess = np.abs(actual - expected) - (atol + 1e-5 * np.abs(expected))
-    assert excess.max() <= 0, f"max excess {excess.max():.3g}"
 
 
 @pytest.fixture(scope="module")
