@@ -91,3 +91,12 @@ def test_dit_vae_decode_and_sampler_defaults(dit_pair):
     out = run_batch("spec_block", {"num_steps": 20, "guidance_scale": 1.5}, dit_pair, torch.tensor([1, 2]),
                     torch.arange(2), 0)
     assert out.images.shape == (2, 8, 8, 3) and out.images.dtype == torch.uint8
+
+
+def test_model_drafter_with_a_release_draft(pair):
+    from specray.methods.diffusion.loop import run_batch
+
+    out = run_batch("spec_block", {"num_steps": 20, "drafter": "model"}, pair, torch.zeros(2, dtype=torch.int64),
+                    torch.arange(2), 0)
+    assert out.images.shape == (2, 8, 8, 3)
+    assert all(s.draft_calls > 0 and s.num_tokens == 20 for s in out.stats)

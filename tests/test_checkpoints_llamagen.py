@@ -103,3 +103,15 @@ def test_pair_exposes_decoder_and_codebook():
     assert torch.allclose(pair.info["codebook"].norm(dim=-1), torch.ones(64))
     assert pair.draft.config.n_layer == 1 and pair.target.config.n_layer == 2
     assert pair.info["image_decoder"] is not None
+
+
+def test_half_precision_weights_option():
+    """dtype bfloat16: weights and KV cache in bf16, the sampler's laws still float32 and close to float32's."""
+    half = load(format_options("discrete_ar", llamagen_target(dtype="bfloat16", tokenizer=None)), "cpu").gpt
+    assert half.output.weight.dtype == torch.bfloat16
+    sampling = Sampling.parse(SETTINGS["cfg4"])
+    stream = GuidedModel(half, 2, sampling, half.max_seq_len)
+    probs = stream.probs(torch.arange(2), torch.tensor(REF["labels"])[:, None], torch.zeros(2, 1, dtype=torch.int64),
+                         prefix=True)[:, 0]
+    assert probs.dtype == torch.float32 and torch.allclose(probs.sum(-1), torch.ones(2))
+    assert np.abs(probs.numpy() - REF["probs_cfg4"][:, 0]).max() < 0.05  # bf16 rounding, not a different law
