@@ -19,6 +19,8 @@ from scipy import stats
 from specray.methods.diffusion.loop import GaussianChain, ancestral_chain, speculative_chain
 from tests.test_diffusion_chain import D, K, N, SIGMA, target_eps
 
+pytestmark = pytest.mark.slow  # five runs of 40 000 chains
+
 
 def rough_draft_eps(x: torch.Tensor, k: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     return target_eps(x, k, rows) + 3 * torch.tanh(3 * x)
