@@ -356,10 +356,11 @@ def _with_official_defaults(family: Any, method: str, target: Any, raw: Any) -> 
     from specray.families import format_options
 
     options = format_options(family.name, target)
-    if options is None or not (raw is None or isinstance(raw, Mapping)):
+    official = getattr(options, "sampling_defaults", None)  # optional for a format's options class
+    if official is None or not (raw is None or isinstance(raw, Mapping)):
         return raw
     fields = family.method(method).params.model_fields
-    defaults = {k: v for k, v in options.sampling_defaults().items() if k in fields}
+    defaults = {k: v for k, v in official().items() if k in fields}
     return {**defaults, **(raw or {})}
 
 
@@ -590,9 +591,9 @@ def _num_classes(arms: tuple[ArmSpec, ...]) -> int | None:
     counts = []
     for arm in arms:
         for ref in (arm.target, arm.draft):
-            options = format_options(arm.family, ref)
-            if options is not None and options.num_classes is not None:
-                counts.append(int(options.num_classes))
+            known = getattr(format_options(arm.family, ref), "num_classes", None)  # optional, as above
+            if known is not None:
+                counts.append(int(known))
             if not isinstance(ref, str) or _looks_like_checkpoint(ref):
                 continue
             n = get_preset(ref).config.get("num_classes")

@@ -449,7 +449,9 @@ def load_generator(ref: str | Path | dict, device: torch.device | str) -> tuple[
         from specray.families import load_formatted_model
 
         loaded = load_formatted_model("discrete_ar", ref, device)
-        return loaded.gpt, loaded.decoder, loaded.info
+        if isinstance(loaded, DiscreteGPT):  # a format whose loader returns the GPT alone
+            return loaded, None, {}
+        return loaded.gpt, loaded.decoder, loaded.info  # a release: the GPT and its tokenizer
     return load_model(ref, device), None, {}
 
 

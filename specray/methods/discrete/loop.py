@@ -372,8 +372,8 @@ def generate_tokens(method: str | Method, params: Any, pair: ModelPair, labels: 
 
 def run_batch(method: str | Method, params: Any, pair: ModelPair, labels: torch.Tensor,
               sample_ids: torch.Tensor, seed: int) -> GenerationResult:
-    """Generate one batch; images uint8 on CPU (``[B, 8, 8]`` for the presets, ``[B, S, S, 3]`` for a release). ``method``/``params`` as names and a
-    mapping, or as the family table's entry and typed parameters."""
+    """Generate one batch; images uint8 on CPU (``[B, 8, 8]`` for the presets, ``[B, S, S, 3]`` for a
+    release). ``method``/``params`` as names and a mapping, or as the family table's entry and typed parameters."""
     tokens, stats = generate_tokens(method, params, pair, labels, sample_ids, seed)
     decode = pair.info.get("image_decoder")  # a release's VQ decoder; the presets' tokens are pixels
     images = decode(tokens) if decode is not None else to_images(tokens, pair.target.config.grid_size)

@@ -73,6 +73,6 @@ def process_with(params: SamplingParams, cond_logits: torch.Tensor, uncond_logit
     if uncond_logits is not None and params.cfg_interval >= 0 and token_index is not None:
         guided = cfg_combine(cond_logits, uncond_logits, params.cfg_scale)
         unguided = token_index > params.cfg_interval + 1  # LlamaGen: decode step i makes token i + 1
-        cond_logits, uncond_logits = torch.where(unguided[..., None], cond_logits.float(), guided), None
-        return process_logits(cond_logits, None, 1.0, params.temperature, params.top_k, params.top_p)
+        mixed = torch.where(unguided[..., None], cond_logits.float(), guided)
+        return process_logits(mixed, None, 1.0, params.temperature, params.top_k, params.top_p)
     return process_logits(cond_logits, uncond_logits, params.cfg_scale, params.temperature, params.top_k, params.top_p)
