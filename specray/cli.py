@@ -129,6 +129,23 @@ def validate(job_file: str) -> None:
                f"of {plan.shard_size}, fingerprint {spec.fingerprint()}")
 
 
+@specray.command()
+@click.argument("source", type=click.Path(dir_okay=False))
+@click.argument("dest", type=click.Path(dir_okay=False))
+@click.option("--entry", help="The state dict to take (default: model_ema, model, module, state_dict, the file).")
+@click.option("--trust-pickle", is_flag=True, help="Unpickle SOURCE with arbitrary code (only for a file you trust).")
+def convert(source: str, dest: str, entry: str | None, trust_pickle: bool) -> None:
+    """Write SOURCE's weights as DEST.safetensors (with its config) for the release-format loaders."""
+    from specray.models.checkpoints.convert import convert as convert_file
+    from specray.models.checkpoints.reading import CheckpointError
+
+    try:
+        out = convert_file(source, dest, entry=entry, trust_pickle=trust_pickle)
+    except CheckpointError as exc:
+        _fail(str(exc))
+    click.echo(f"wrote {out}")
+
+
 def _preset_names() -> list[str]:
     from specray.models.presets.train import all_preset_names
 

@@ -25,6 +25,7 @@ from specray.methods.continuous import params as continuous_params
 from specray.methods.diffusion import params as diffusion_params
 from specray.methods.discrete import params as discrete_params
 from specray.methods.params import MethodParams, StrictParams
+from specray.models.checkpoints import options as checkpoint_options
 
 # A zero-argument function that imports and returns a torch-side object (a loop, a loader...).
 Lazy = Callable[[], Any]
@@ -167,7 +168,29 @@ def _diffusion_trainer():
     return train_preset
 
 
+def _llamagen_loader():
+    from specray.models.checkpoints.llamagen import load
+    return load
+
+
+def _mar_loader():
+    from specray.models.checkpoints.mar import load
+    return load
+
+
+def _ddpm_loader():
+    from specray.models.checkpoints.diffusers_models import load_ddpm
+    return load_ddpm
+
+
+def _dit_loader():
+    from specray.models.checkpoints.diffusers_models import load_dit
+    return load_dit
+
+
 # ---- the table -------------------------------------------------------------------------------
+
+_opts = checkpoint_options
 
 _dp, _cp, _fp = discrete_params, continuous_params, diffusion_params
 
@@ -185,6 +208,8 @@ FAMILIES: dict[str, Family] = {
         ),
         loop=_discrete_loop, load_pair=_discrete_models, trainer=_discrete_trainer,
         metadata={"preset_weights": True},  # its presets load weights/<name>.safetensors
+        formats={"llamagen-c2i": ModelFormat("llamagen-c2i", _opts.LlamaGenOptions, _llamagen_loader,
+                                             "LlamaGen class-conditional GPT (c2i_*.pt) + VQ-16 tokenizer")},
     ),
     "continuous_ar": Family(
         name="continuous_ar",
@@ -195,6 +220,8 @@ FAMILIES: dict[str, Family] = {
         ),
         loop=_continuous_loop, load_pair=_continuous_models, trainer=_continuous_trainer,
         metadata={"preset_weights": True},
+        formats={"mar": ModelFormat("mar", _opts.MAROptions, _mar_loader,
+                                    "MAR-B/L/H release (checkpoint-last.pth, EMA weights) + KL-16 VAE")},
     ),
     "diffusion": Family(
         name="diffusion",
@@ -206,6 +233,12 @@ FAMILIES: dict[str, Family] = {
         ),
         loop=_diffusion_loop, load_pair=_diffusion_models, trainer=_diffusion_trainer,
         metadata={"preset_weights": True},
+        formats={
+            "diffusers-ddpm": ModelFormat("diffusers-ddpm", _opts.DDPMOptions, _ddpm_loader,
+                                          "diffusers UNet2DModel + DDPMScheduler folder (google/ddpm-*)"),
+            "diffusers-dit": ModelFormat("diffusers-dit", _opts.DiTOptions, _dit_loader,
+                                         "diffusers DiT pipeline folder (facebook/DiT-XL-2-256) + AutoencoderKL"),
+        },
     ),
 }
 
@@ -228,6 +261,14 @@ def load_formatted_model(family_name: str, ref: Mapping[str, Any], device: Any) 
     entry = family(family_name).model_format(str(ref.get("format")))
     options = entry.options.parse({k: v for k, v in ref.items() if k != "format"})
     return entry.load()(options, device)
+
+
+def format_options(family_name: str, ref: Any) -> StrictParams | None:
+    """The typed options of a ``{format: ...}`` reference (None for a preset name or a path)."""
+    if not isinstance(ref, Mapping):
+        return None
+    entry = family(family_name).model_format(str(ref.get("format")))
+    return entry.options.parse({k: v for k, v in ref.items() if k != "format"})
 
 
 def resolve(family_name: str, method: str | Method,

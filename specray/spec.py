@@ -455,7 +455,7 @@ def _arms(path: str, raw: Any) -> tuple[ArmSpec, ...]:
         if draft is not None:
             draft = _model_ref(f"{at}.draft", draft, family_name)
         try:  # the method's parameter class is the one place its parameters are checked
-            params = family.parse_params(method, item.get("params"))
+            params = family.parse_params(method, _with_official_defaults(family, method, target, item.get("params")))
         except ParamError as exc:
             raise SpecError(f"{at}.params" + (f".{exc.field}" if exc.field else ""), redact_urls(exc.message)) from None
         if params.needs_draft and draft is None:
@@ -465,6 +465,20 @@ def _arms(path: str, raw: Any) -> tuple[ArmSpec, ...]:
         arms.append(ArmSpec(name=name, family=family_name, method=method, target=target, draft=draft,
                             params=params.to_dict(), seed_offset=seed_offset))
     return tuple(arms)
+
+
+def _with_official_defaults(family: Any, method: str, target: Any, raw: Any) -> Any:
+    """An arm's params with the unset ones taken from its release's official sampler (a target named
+    as ``{format: ...}``; see ``specray.models.checkpoints.options``); the params as given otherwise."""
+    from specray.families import format_options
+
+    options = format_options(family.name, target)
+    official = getattr(options, "sampling_defaults", None)  # optional for a format's options class
+    if official is None or not (raw is None or isinstance(raw, Mapping)):
+        return raw
+    fields = family.method(method).params.model_fields
+    defaults = {k: v for k, v in official().items() if k in fields}
+    return {**defaults, **(raw or {})}
 
 
 def _model_ref(path: str, value: Any, family: str) -> str | dict[str, Any]:
@@ -734,12 +748,16 @@ def _conditions(path: str, raw: Any, arms: tuple[ArmSpec, ...]) -> ConditionSpec
 
 
 def _num_classes(arms: tuple[ArmSpec, ...]) -> int | None:
-    """The smallest class count among the arms' target (and draft) presets."""
+    """The smallest class count among the arms' target (and draft) presets and release checkpoints."""
+    from specray.families import format_options
     from specray.models.presets import get_preset
 
     counts = []
     for arm in arms:
         for ref in (arm.target, arm.draft):
+            known = getattr(format_options(arm.family, ref), "num_classes", None)  # optional, as above
+            if known is not None:
+                counts.append(int(known))
             if not isinstance(ref, str) or _looks_like_checkpoint(ref):
                 continue
             n = get_preset(ref).config.get("num_classes")

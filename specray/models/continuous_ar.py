@@ -351,7 +351,8 @@ def load_pair(target: str | dict, draft: str | dict | None, device: torch.device
     if draft_model is not None and draft_model.config.diffusion_sample_steps != target_model.config.diffusion_sample_steps:
         raise ValueError("target and draft must share diffusion_sample_steps (trajectory alignment needs one schedule)")
     info = {
-        "image_shape": IMAGE_SHAPE,
+        "image_shape": target_meta.get("image_shape", IMAGE_SHAPE),
+        "image_decoder": target_meta.get("image_decoder"),  # a release's VAE; the presets' tokens are pixels
         "num_tokens": target_model.config.num_tokens,
         "token_dim": target_model.config.token_dim,
         "target_config": asdict(target_model.config),

@@ -424,9 +424,7 @@ def load_model(name_or_path: str | Path | dict, device: torch.device | str = "cp
     import json
 
     if isinstance(name_or_path, dict):
-        from specray.families import load_formatted_model
-
-        return load_formatted_model("discrete_ar", name_or_path, device)
+        return load_generator(name_or_path, device)[0]
 
     from safetensors import safe_open
     from safetensors.torch import load_file
@@ -454,13 +452,30 @@ def load_model(name_or_path: str | Path | dict, device: torch.device | str = "cp
     return model.to(device).eval()
 
 
+def load_generator(ref: str | Path | dict, device: torch.device | str) -> tuple[DiscreteGPT, Any, dict[str, Any]]:
+    """The GPT, the image decoder of its tokens (None: the tokens are the presets' grey levels) and
+    what the loader reports, for a preset, a ``.safetensors`` path or a ``{format: ...}`` reference."""
+    if isinstance(ref, dict):
+        from specray.families import load_formatted_model
+
+        loaded = load_formatted_model("discrete_ar", ref, device)
+        if isinstance(loaded, DiscreteGPT):  # a format whose loader returns the GPT alone
+            return loaded, None, {}
+        return loaded.gpt, loaded.decoder, loaded.info  # a release: the GPT and its tokenizer
+    return load_model(ref, device), None, {}
+
+
 def load_pair(target: str | dict, draft: str | dict | None, device: torch.device | str) -> ModelPair:
-    """Target and draft GPTs on ``device`` plus the info the discrete loop needs."""
+    """Target and draft GPTs on ``device`` plus the info the discrete loop needs.
+
+    A release's tokenizer (the target's) decodes the images: ``info["image_decoder"]``, and its
+    L2-normalised VQ codebook is ``info["codebook"]`` (token latents, e.g. for LANTERN neighbourhoods).
+    """
     from specray.models.refs import ref_key
 
     device = torch.device(device)
-    target_model = load_model(target, device)
-    draft_model = load_model(draft, device) if draft is not None else None
+    target_model, decoder, target_info = load_generator(target, device)
+    draft_model = load_generator(draft, device)[0] if draft is not None else None
     tc = target_model.config
     if draft_model is not None:
         dc = draft_model.config
@@ -477,7 +492,10 @@ def load_pair(target: str | dict, draft: str | dict | None, device: torch.device
         "token_embeddings": target_model.tok_embeddings.weight.detach(),
         "target_config": asdict(tc),
         "draft_config": asdict(draft_model.config) if draft_model is not None else None,
-        "tokenizer": "identity_digits",
+        "tokenizer": "identity_digits" if decoder is None else "vq",
+        "image_decoder": decoder,
+        "codebook": decoder.codebook() if decoder is not None else None,
+        "target_loader": target_info,
     }
     return ModelPair(
         family="discrete_ar",

@@ -103,7 +103,7 @@ class GuidedModel:
             rows=None if all_rows else torch.cat([idx, idx + self.batch]), prefix=prefix,
         )
         r = idx.shape[0]
-        return process_with(self.sampling, logits[:r], logits[r:])
+        return process_with(self.sampling, logits[:r], logits[r:], positions)  # position p predicts token p
 
     def crop(self, idx: torch.Tensor, lengths: torch.Tensor, *, all_rows: bool = False) -> None:
         if all_rows:  # idx is arange(batch): one copy instead of indexed writes
@@ -372,7 +372,9 @@ def generate_tokens(method: str | Method, params: Any, pair: ModelPair, labels: 
 
 def run_batch(method: str | Method, params: Any, pair: ModelPair, labels: torch.Tensor,
               sample_ids: torch.Tensor, seed: int) -> GenerationResult:
-    """Generate one batch; images uint8 ``[B, 8, 8]`` on CPU. ``method``/``params`` as names and a
-    mapping, or as the family table's entry and typed parameters."""
+    """Generate one batch; images uint8 on CPU (``[B, 8, 8]`` for the presets, ``[B, S, S, 3]`` for a
+    release). ``method``/``params`` as names and a mapping, or as the family table's entry and typed parameters."""
     tokens, stats = generate_tokens(method, params, pair, labels, sample_ids, seed)
-    return GenerationResult(images=to_images(tokens, pair.target.config.grid_size), stats=stats)
+    decode = pair.info.get("image_decoder")  # a release's VQ decoder; the presets' tokens are pixels
+    images = decode(tokens) if decode is not None else to_images(tokens, pair.target.config.grid_size)
+    return GenerationResult(images=images, stats=stats)
