@@ -32,7 +32,7 @@ def specray(verbose: bool) -> None:
 
 def _load(job_file: str | None, *, date: str | None = None, run_id: str | None = None, **overrides):
     """The validated spec of JOB_FILE (the built-in demo when None) with the command line's overrides."""
-    from specray.spec import DEMO_PATH, SpecError, load_job, read_job_file
+    from specray.spec import DEMO_PATH, load_job, read_job_file
 
     data = read_job_file(Path(job_file) if job_file is not None else DEMO_PATH)
     if date is not None or run_id is not None:
@@ -50,7 +50,8 @@ def _load(job_file: str | None, *, date: str | None = None, run_id: str | None =
 @click.option("--num-cpus", type=int, help="CPUs of the local Ray instance to start (default: all).")
 @click.option("--actors", type=int, help="Number of generation actors (overrides the spec; default: what the "
                                         "cluster offers).")
-@click.option("--per-class", type=int, help="Samples per class (overrides conditions.per_class).")
+@click.option("--per-class", type=int, help="Samples per class (overrides conditions.per_class; in a prompt job, "
+                                           "conditions.repeats).")
 @click.option("--batch-size", type=int, help="Batch size (overrides the spec).")
 @click.option("--seed", type=int, help="Job seed (overrides the spec; e.g. a new seed per nightly run).")
 @click.option("--date", help="Dataset jobs: the partition date YYYY-MM-DD (default: today, UTC).")
@@ -62,17 +63,33 @@ def _load(job_file: str | None, *, date: str | None = None, run_id: str | None =
 def run(job_file: str | None, output: str | None, num_cpus: int | None, actors: int | None,
         per_class: int | None, batch_size: int | None, seed: int | None, date: str | None, run_id: str | None,
         ray_address: str | None, no_reduce: bool, quiet: bool) -> None:
-    """Run JOB_FILE (YAML), or the built-in demo job when none is given; then reduce it.
+    """Run JOB_FILE (YAML), or the built-in demo when none is given (specray/demo.yaml, then its prompt
+    part specray/demo_prompts.yaml); then reduce it.
 
     This is also what `ray job submit ... -- python jobs/submit.py JOB_FILE` runs on a cluster.
     """
     if num_cpus is not None and num_cpus < 1:
         _fail(f"--num-cpus: must be an integer >= 1, got {num_cpus}")
-    try:
-        spec = _load(job_file, date=date, run_id=run_id, output=output, actors=actors, per_class=per_class,
-                     batch_size=batch_size, seed=seed)
+    from specray.spec import DEMO_PATHS
+
+    jobs = [job_file] if job_file is not None else [str(path) for path in DEMO_PATHS]
+    try:  # every job is validated before the first one runs
+        specs = [_load(job, date=date, run_id=run_id, output=_demo_output(output, index), actors=actors,
+                       per_class=per_class, batch_size=batch_size, seed=seed) for index, job in enumerate(jobs)]
     except SpecError as exc:
         _fail(str(exc))
+    for spec in specs:
+        _run_one(spec, ray_address, num_cpus, no_reduce, quiet)
+
+
+def _demo_output(output: str | None, index: int) -> str | None:
+    """--output for the demo's jobs: the first writes there, the prompt part beside it (``<output>-prompts``)."""
+    if output is None or index == 0:
+        return output
+    return output.rstrip("/") + "-prompts"
+
+
+def _run_one(spec, ray_address: str | None, num_cpus: int | None, no_reduce: bool, quiet: bool) -> None:
     # Only now torch and Ray: a refused job costs a torch-free validation, not their start-up.
     from specray.runtime.coordinator import ShardFailedError, run_job
     if "://" not in spec.output and not os.path.isabs(spec.output) and os.environ.get("RAY_JOB_SUBMISSION_ID"):

@@ -25,6 +25,7 @@ with a different prompt set.
 from __future__ import annotations
 
 import csv
+import functools
 import hashlib
 import io
 import json
@@ -33,6 +34,10 @@ from dataclasses import dataclass
 from typing import Any
 
 FORMATS = ("auto", "coco", "jsonl", "csv", "parquet", "hf")
+ENCODERS = ("minilm", "t5")  # text encoders (specray.models.text)
+BUILTIN_SOURCES = {  # prompt sets shipped with the package, named like presets
+    "builtin:digits-captions": "data/digits_captions_heldout.jsonl",
+}
 COCO_CAPTIONS = ("first", "all")
 MAX_FILE_BYTES = 512 * 2**20  # a prompt file larger than this is refused before it is read
 MAX_PROMPTS = 2_000_000
@@ -105,6 +110,32 @@ def read_prompt_set(source: str, *, fmt: str = "auto", text_column: str = "promp
     if not ids:
         raise PromptSetError("source", f"{source} holds no prompts")
     return PromptSet(tuple(ids), tuple(texts), source, image_ids)
+
+
+def load_prompts(source: str, *, format: str = "auto", text_column: str = "prompt", id_column: str = "id",
+                 captions: str = "first", first: int | None = None, sample: int | None = None, sample_seed: int = 0,
+                 max_chars: int = DEFAULT_MAX_CHARS, storage_options: Mapping[str, Any] | None = None) -> PromptSet:
+    """A job's prompt set: read, checked and cut to its subset; read once per process per source."""
+    key = json.dumps([source, format, text_column, id_column, captions, first, sample, sample_seed, max_chars,
+                      dict(storage_options or {})], sort_keys=True, default=str)
+    return _load_cached(key)
+
+
+@functools.lru_cache(maxsize=8)
+def _load_cached(key: str) -> PromptSet:
+    source, fmt, text_column, id_column, captions, first, sample, sample_seed, max_chars, storage = json.loads(key)
+    path = source
+    if source.startswith("builtin:"):
+        if source not in BUILTIN_SOURCES:
+            raise PromptSetError("source", f"unknown built-in prompt set {source!r}; allowed: "
+                                           f"{', '.join(BUILTIN_SOURCES)}")
+        from importlib.resources import files
+
+        path = str(files("specray").joinpath(BUILTIN_SOURCES[source]))
+    prompts = read_prompt_set(path, fmt=fmt, text_column=text_column, id_column=id_column, captions=captions,
+                              storage_options=storage, max_chars=max_chars)
+    prompts = take_subset(prompts, first=first, sample=sample, seed=sample_seed)
+    return PromptSet(prompts.ids, prompts.texts, source, prompts.image_ids)
 
 
 def take_subset(prompts: PromptSet, first: int | None = None, sample: int | None = None,

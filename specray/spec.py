@@ -41,7 +41,7 @@ from typing import Any, Mapping
 from specray.urls import redact_urls
 
 SPEC_FORMAT_VERSION = 1
-CONDITION_KINDS = ("class_labels",)
+CONDITION_KINDS = ("class_labels", "prompts")
 DATASET_PARTITIONS = ("date", "run")
 _ARM_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]*")  # used with fullmatch: no trailing newline
 NAME_MAX_CHARS = 128  # names become folder and file names
@@ -71,19 +71,53 @@ class SpecError(ValueError):
 
 
 @dataclass(frozen=True)
-class ConditionSpec:
-    """Class-label conditions: ``per_class`` samples of each class in ``classes``.
+class PromptSource:
+    """Where a prompt job's prompts come from and how they are read (``specray.prompts``).
 
-    ``classes`` is None for "all classes the target knows" until
-    :func:`load_job` resolves it to an explicit tuple.
+    ``num_prompts`` and ``digest`` are measured when the job is validated; the digest joins the
+    job's fingerprint, so a run is never resumed with a different prompt set.
+    """
+
+    source: str
+    format: str = "auto"
+    text_column: str = "prompt"
+    id_column: str = "id"
+    captions: str = "first"
+    first: int | None = None
+    sample: int | None = None
+    sample_seed: int = 0
+    max_chars: int = 2000
+    encoder: str | None = None  # None: the text encoder the target was trained with
+    encoder_path: str | None = None
+    num_prompts: int = 0
+    digest: str = ""
+
+    def read_options(self) -> dict[str, Any]:
+        """The keyword arguments of :func:`specray.prompts.load_prompts`."""
+        return {k: getattr(self, k) for k in ("source", "format", "text_column", "id_column", "captions", "first",
+                                             "sample", "sample_seed", "max_chars")}
+
+
+@dataclass(frozen=True)
+class ConditionSpec:
+    """What each sample is conditioned on.
+
+    ``class_labels``: ``per_class`` samples of each class in ``classes`` (None for "all classes the
+    target knows" until :func:`load_job` resolves it to an explicit tuple).
+    ``prompts``: ``repeats`` samples of each prompt of ``prompts`` (sample ``i`` shows prompt
+    ``i % P``, its ``i // P``-th repeat).
     """
 
     kind: str = "class_labels"
     per_class: int = 100
     classes: tuple[int, ...] | None = None
+    repeats: int = 1
+    prompts: PromptSource | None = None
 
     @property
     def num_samples(self) -> int:
+        if self.prompts is not None:
+            return self.repeats * self.prompts.num_prompts
         assert self.classes is not None, "classes not resolved"
         return self.per_class * len(self.classes)
 
@@ -183,6 +217,19 @@ class JobSpec:
     def num_samples(self) -> int:
         return self.conditions.num_samples
 
+    def prompt_set(self):
+        """A prompt job's :class:`~specray.prompts.PromptSet` (read once per process), else None."""
+        source = self.conditions.prompts
+        if source is None:
+            return None
+        from specray.prompts import load_prompts
+
+        prompts = load_prompts(**source.read_options(), storage_options=self.storage_options)
+        if prompts.digest != source.digest:
+            raise SpecError("conditions.source", f"{_short(source.source)} changed since the job was validated "
+                                                 f"(digest {prompts.digest}, expected {source.digest})")
+        return prompts
+
     def arm(self, name: str) -> ArmSpec:
         for arm in self.arms:
             if arm.name == name:
@@ -205,15 +252,34 @@ class JobSpec:
             "format": SPEC_FORMAT_VERSION,
             "job_id": self.job_id,
             "seed": self.seed,
-            "conditions": asdict(self.conditions),
+            "conditions": self._conditions_determining(),
             "batch_size": self.batch_size,
             "arms": {arm.name: arm.fingerprint() for arm in self.arms},
         })
 
+    def _conditions_determining(self) -> dict[str, Any]:
+        c = self.conditions
+        if c.prompts is None:  # the same dict as before prompts existed: class jobs keep their fingerprints
+            return {"kind": c.kind, "per_class": c.per_class, "classes": c.classes}
+        # the prompt set by its content (digest), not by where the file lies or how it was read
+        p = c.prompts
+        return {"kind": c.kind, "repeats": c.repeats, "num_prompts": p.num_prompts, "digest": p.digest,
+                "encoder": p.encoder, "encoder_path": p.encoder_path}
+
+    def conditions_dict(self) -> dict[str, Any]:
+        """The conditions as a job file gives them (prompt sources with their measured count and digest)."""
+        c = self.conditions
+        if c.prompts is None:
+            return {"kind": c.kind, "per_class": c.per_class, "classes": list(c.classes or [])}
+        fields = {k: v for k, v in asdict(c.prompts).items() if k not in ("first", "sample", "sample_seed")}
+        subset = ({"first": c.prompts.first} if c.prompts.first is not None else
+                  {"sample": c.prompts.sample, "seed": c.prompts.sample_seed} if c.prompts.sample is not None else None)
+        return {"kind": c.kind, "repeats": c.repeats, **fields, "subset": subset}
+
     def to_dict(self) -> dict[str, Any]:
         """Plain data that :func:`load_job` accepts again (params already resolved)."""
         data = asdict(self)
-        data["conditions"]["classes"] = list(self.conditions.classes or [])
+        data["conditions"] = self.conditions_dict()
         data["arms"] = [asdict(a) for a in self.arms]
         return data
 
@@ -237,7 +303,8 @@ def load_job(source: str | os.PathLike | Mapping[str, Any], **overrides: Any) ->
             data[key] = value
     if per_class is not None:
         conditions = dict(data.get("conditions") or {})
-        conditions["per_class"] = per_class
+        # per_class is the samples per condition: per class label, or per prompt (its repeats)
+        conditions["repeats" if conditions.get("kind") == "prompts" else "per_class"] = per_class
         data["conditions"] = conditions
     return parse_job(data)
 
@@ -368,13 +435,14 @@ def parse_job(data: Mapping[str, Any]) -> JobSpec:
     retries = _integer("max_shard_retries", data.get("max_shard_retries", 3), minimum=0, maximum=1000)
 
     arms = _arms("arms", data["arms"])
-    conditions = _conditions("conditions", data.get("conditions", {}), arms)
+    storage_options = _storage_options("storage_options", data.get("storage_options"))
+    conditions = _conditions("conditions", data.get("conditions", {}), arms, storage_options)
     _check_sizes(conditions, arms, batch_size, shard_batches, "shard_size" in data)
     eval_spec = _eval("eval", data.get("eval", {}), arms)
     if eval_spec.fid and conditions.num_samples < 2:
-        raise SpecError("conditions.per_class", f"{conditions.num_samples} sample per arm; FID needs at least 2 "
-                                                "(raise per_class, or set eval.fid: false)")
-    storage_options = _storage_options("storage_options", data.get("storage_options"))
+        field_name = "repeats" if conditions.prompts is not None else "per_class"
+        raise SpecError(f"conditions.{field_name}", f"{conditions.num_samples} sample per arm; FID needs at least 2 "
+                                                    f"(raise {field_name}, or set eval.fid: false)")
     spec = JobSpec(
         job_id=job_id, seed=seed, output=output, conditions=conditions, arms=arms,
         batch_size=batch_size, shard_batches=shard_batches, actors=actors,
@@ -713,15 +781,21 @@ def _dataset(path: str, raw: Any, spec: "JobSpec") -> DatasetSpec | None:
 
 
 _CONDITION_FIELDS = {"kind", "per_class", "classes"}
+_PROMPT_FIELDS = {"kind", "source", "format", "text_column", "id_column", "captions", "subset", "repeats",
+                  "max_chars", "encoder", "encoder_path", "num_prompts", "digest"}
 
 
-def _conditions(path: str, raw: Any, arms: tuple[ArmSpec, ...]) -> ConditionSpec:
+def _conditions(path: str, raw: Any, arms: tuple[ArmSpec, ...],
+                storage_options: Mapping[str, Any] | None = None) -> ConditionSpec:
     if not isinstance(raw, Mapping):
         raise SpecError(path, f"must be a mapping with fields {sorted(_CONDITION_FIELDS)}")
-    _reject_unknown(path, raw, _CONDITION_FIELDS)
     kind = _string(f"{path}.kind", raw.get("kind", "class_labels"))
     if kind not in CONDITION_KINDS:
         raise SpecError(f"{path}.kind", f"unknown condition kind {_short(kind)}; allowed: {', '.join(CONDITION_KINDS)}")
+    _check_condition_models(path, kind, arms)
+    if kind == "prompts":
+        return _prompt_conditions(path, raw, arms, storage_options)
+    _reject_unknown(path, raw, _CONDITION_FIELDS)
     per_class = _integer(f"{path}.per_class", raw.get("per_class", 100), minimum=1, maximum=MAX_SAMPLES)
     num_classes = _num_classes(arms)
     classes_raw = raw.get("classes", "all")
@@ -745,6 +819,113 @@ def _conditions(path: str, raw: Any, arms: tuple[ArmSpec, ...]) -> ConditionSpec
                 raise SpecError(f"{path}.classes[{i}]", f"class label {label} listed twice")
             seen[label] = i
     return ConditionSpec(kind=kind, per_class=per_class, classes=classes)
+
+
+def _prompt_conditions(path: str, raw: Mapping[str, Any], arms: tuple[ArmSpec, ...],
+                       storage_options: Mapping[str, Any] | None) -> ConditionSpec:
+    """``kind: prompts``: the prompt set is read and checked now, before Ray starts."""
+    from specray.prompts import COCO_CAPTIONS, FORMATS, PromptSetError, load_prompts
+    from specray.urls import CREDENTIALS_BELONG, has_userinfo, redact_url
+
+    _reject_unknown(path, raw, _PROMPT_FIELDS)
+    if "source" not in raw:
+        raise SpecError(f"{path}.source", "is required for prompts: a JSONL, CSV, Parquet or COCO captions file, "
+                                          "a datasets folder (local or s3://), or builtin:digits-captions")
+    source = _string(f"{path}.source", raw["source"])
+    if has_userinfo(source):
+        raise SpecError(f"{path}.source", f"{redact_url(source)!r} carries credentials in the URL: "
+                                          f"{CREDENTIALS_BELONG}")
+    fmt = _choice(f"{path}.format", raw.get("format", "auto"), FORMATS)
+    captions = _choice(f"{path}.captions", raw.get("captions", "first"), COCO_CAPTIONS)
+    first, sample, sample_seed = _prompt_subset(f"{path}.subset", raw.get("subset"))
+    encoder, encoder_path = _text_encoder(path, raw, arms)
+    options = PromptSource(
+        source=source, format=fmt, captions=captions, first=first, sample=sample, sample_seed=sample_seed,
+        text_column=_string(f"{path}.text_column", raw.get("text_column", "prompt")),
+        id_column=_string(f"{path}.id_column", raw.get("id_column", "id")),
+        max_chars=_integer(f"{path}.max_chars", raw.get("max_chars", 2000), minimum=1, maximum=100_000),
+        encoder=encoder, encoder_path=encoder_path)
+    try:
+        prompts = load_prompts(**options.read_options(), storage_options=storage_options)
+    except PromptSetError as exc:
+        raise SpecError(f"{path}.{exc.field}", exc.message) from None
+    for name, measured in (("num_prompts", len(prompts)), ("digest", prompts.digest)):
+        if name in raw and raw[name] != measured:  # a recorded job pins its prompt set
+            raise SpecError(f"{path}.{name}", f"the job records {_short(raw[name])} but {_short(source)} now gives "
+                                              f"{measured}: the prompt set changed")
+    repeats = _integer(f"{path}.repeats", raw.get("repeats", 1), minimum=1, maximum=MAX_SAMPLES)
+    if repeats * len(prompts) > MAX_SAMPLES:
+        raise SpecError(f"{path}.repeats", f"{repeats} x {len(prompts)} prompts is more than {MAX_SAMPLES} samples")
+    return ConditionSpec(kind="prompts", per_class=repeats, classes=None, repeats=repeats,
+                         prompts=replace(options, num_prompts=len(prompts), digest=prompts.digest))
+
+
+def _prompt_subset(path: str, raw: Any) -> tuple[int | None, int | None, int]:
+    if raw is None:
+        return None, None, 0
+    if not isinstance(raw, Mapping) or not ({"first"} == set(raw) or set(raw) in ({"sample"}, {"sample", "seed"})):
+        raise SpecError(path, f"must be {{first: N}} or {{sample: N, seed: S}}, got {_short(raw)}")
+    if "first" in raw:
+        return _integer(f"{path}.first", raw["first"], minimum=1, maximum=MAX_SAMPLES), None, 0
+    return (None, _integer(f"{path}.sample", raw["sample"], minimum=1, maximum=MAX_SAMPLES),
+            _integer(f"{path}.seed", raw.get("seed", 0), minimum=0, maximum=MAX_SEED))
+
+
+def _text_encoder(path: str, raw: Mapping[str, Any], arms: tuple[ArmSpec, ...]) -> tuple[str, str | None]:
+    """The encoder every arm's model was trained with (a job may name another: ``encoder``, ``encoder_path``)."""
+    from specray.models.text import ENCODERS
+
+    trained = {_preset_config(ref).get("text_encoder", "minilm") for arm in arms for ref in (arm.target, arm.draft)
+               if _preset_config(ref).get("condition") == "text"}
+    if "encoder" in raw:
+        encoder = _choice(f"{path}.encoder", raw["encoder"], ENCODERS)
+    elif len(trained) == 1:
+        encoder = trained.pop()
+    else:
+        raise SpecError(f"{path}.encoder", f"the arms' models were trained with different text encoders "
+                                           f"({sorted(trained)}) or do not say which; give encoder: one of "
+                                           f"{', '.join(ENCODERS)}" if trained else
+                                           f"the arms' models do not say which text encoder they were trained "
+                                           f"with; give encoder: one of {', '.join(ENCODERS)}")
+    encoder_path = raw.get("encoder_path")
+    if encoder == "t5":
+        encoder_path = _string(f"{path}.encoder_path", encoder_path)
+        if "://" not in encoder_path and not Path(encoder_path).is_dir():
+            raise SpecError(f"{path}.encoder_path", f"{_short(encoder_path)} is not a folder (a T5 encoder saved "
+                                                    "with save_pretrained: config.json and its weights)")
+    elif encoder_path is not None:
+        raise SpecError(f"{path}.encoder_path", f"only the t5 encoder reads a folder; {encoder!r} is built in")
+    return encoder, encoder_path
+
+
+def _check_condition_models(path: str, kind: str, arms: tuple[ArmSpec, ...]) -> None:
+    """Prompts need text-conditioned models and class labels class-conditioned ones (presets are known now)."""
+    for i, arm in enumerate(arms):
+        for role in ("target", "draft"):
+            config = _preset_config(getattr(arm, role))
+            if not config:
+                continue
+            text = config.get("condition") == "text"
+            if text != (kind == "prompts"):
+                name = getattr(arm, role)
+                wanted = "text-conditioned" if kind == "prompts" else "class-conditioned"
+                raise SpecError(f"arms[{i}].{role}", f"{_short(name)} is {'text' if text else 'class'}-conditioned "
+                                                     f"but {path}.kind is {kind!r}, which needs {wanted} models")
+
+
+def _preset_config(ref: Any) -> dict[str, Any]:
+    """A preset's config; {} for anything else (a checkpoint file, a format mapping, none)."""
+    from specray.models.presets import PRESETS
+
+    if isinstance(ref, str) and ref in PRESETS:
+        return dict(PRESETS[ref].config)
+    return {}
+
+
+def _choice(path: str, value: Any, allowed: tuple[str, ...]) -> str:
+    if value not in allowed:
+        raise SpecError(path, f"must be one of {', '.join(allowed)}, got {_short(value)}")
+    return value
 
 
 def _num_classes(arms: tuple[ArmSpec, ...]) -> int | None:
@@ -928,6 +1109,8 @@ def _hash(data: Any) -> str:
 # ---------------------------------------------------------------- the built-in demo
 
 DEMO_PATH = Path(__file__).with_name("demo.yaml")  # the demo's one definition (package data)
+# `specray run` with no job file runs these in turn: the class-label demo, then its prompt part.
+DEMO_PATHS = (DEMO_PATH, Path(__file__).with_name("demo_prompts.yaml"))
 
 
 def builtin_demo_dict() -> dict[str, Any]:

@@ -68,6 +68,7 @@ def write_run(root: str, arms: list[SyntheticArm], *, per_class: int = 20, class
                 "job_id": "synthetic", "arm": arm.name, "method": arm.method, "family": arm.family,
                 "target": "t", "draft": "d", "sample_id": sid,
                 "seed": seed + int(arm.params.get("seed_offset", 0)), "class_label": classes[sid % len(classes)],
+                "prompt_id": None, "prompt": None, "repeat": None,
                 "image": {"bytes": encode_png(images[sid]), "path": None}, "height": 8, "width": 8,
                 "num_tokens": tokens, "num_spec_steps": rounds, "num_draft_tokens": drafted,
                 "num_accepted_draft_tokens": accepted,

@@ -193,6 +193,7 @@ def _rows(arm: str, method: str, images: np.ndarray, ids: range, walls: dict[int
         rows.append({
             "job_id": "synthetic", "arm": arm, "method": method, "family": "discrete_ar", "target": "t",
             "draft": "d", "sample_id": sid, "seed": 0, "class_label": sid % 10,
+            "prompt_id": None, "prompt": None, "repeat": None,
             "image": {"bytes": encode_png(images[sid]), "path": None}, "height": 8, "width": 8,
             "num_tokens": 64,
             # sd: 16 rounds of 3 drafted, 36 accepted -> acceptance 0.75, 64 tokens / 16 target calls = 4.0

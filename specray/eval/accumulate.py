@@ -166,6 +166,7 @@ class ArmAccumulator:
     metadata: dict[str, str] = field(default_factory=dict)
     has_actor_column: bool = False
     isc_classes: int = 0  # > 0: accumulate the Inception Score over this many classes
+    alignment: Any = None  # a prompt run's AlignmentAccumulator (specray.eval.alignment), set by the reducer
     isc_splits: int = 10
     prc_max_samples: int = 0  # > 0: keep feature rows of sample_ids below this for precision/recall
     isc: InceptionScoreAccumulator | None = field(init=False, default=None)

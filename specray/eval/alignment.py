@@ -103,3 +103,51 @@ def aligned_and_shuffled(scorer, images: np.ndarray, prompts: Sequence[str],
     """Per-sample scores against the sample's own prompt and against a deranged prompt."""
     other = derangement(len(prompts), seed)
     return scorer.scores(images, prompts), scorer.scores(images, [prompts[j] for j in other])
+
+
+class AlignmentAccumulator:
+    """One arm's alignment scores, streamed: the mean against the sample's own prompt and against
+    the shuffled control, with Poisson-bootstrap replicates keyed by sample id (so two arms of one
+    run pair sample by sample, as their FID replicates do)."""
+
+    def __init__(self, scorer, bootstrap_seed: int, num_replicates: int) -> None:
+        self.scorer = scorer
+        self.seed = bootstrap_seed
+        self.num_replicates = num_replicates
+        self.count = 0
+        self.sums = np.zeros(2)  # own prompt, shuffled
+        self.weight_sums = np.zeros(num_replicates)
+        self.replicate_sums = np.zeros((2, num_replicates))
+
+    def update(self, sample_ids: np.ndarray, images: np.ndarray, prompts: Sequence[str]) -> None:
+        from specray.eval.bootstrap import poisson_weights
+
+        # The derangement is seeded by the batch's first sample: the same control for every arm.
+        own, shuffled = aligned_and_shuffled(self.scorer, images, prompts, seed=int(sample_ids[0]))
+        keep = np.isfinite(own) & np.isfinite(shuffled)  # a prompt that names nothing scores nothing
+        if not keep.any():
+            return
+        weights = poisson_weights(self.seed, sample_ids[keep], self.num_replicates)
+        scores = np.stack([own[keep], shuffled[keep]])
+        self.count += int(keep.sum())
+        self.sums += scores.sum(1)
+        self.weight_sums += weights.sum(0)
+        self.replicate_sums += scores @ weights
+
+    def replicates(self) -> np.ndarray:
+        """``[2, B]`` bootstrap means (own prompt, shuffled)."""
+        return self.replicate_sums / np.maximum(self.weight_sums, 1e-12)
+
+    def result(self, confidence: float) -> dict:
+        from specray.eval.bootstrap import percentile_interval
+
+        if self.count == 0:
+            return {"scorer": self.scorer.name, "num_samples": 0, "value": None, "ci": None,
+                    "shuffled": None, "shuffled_ci": None}
+        own, shuffled = self.sums / self.count
+        replicates = self.replicates()
+        gap = replicates[0] - replicates[1]
+        return {"scorer": self.scorer.name, "num_samples": self.count,
+                "value": float(own), "ci": list(percentile_interval(replicates[0], confidence)),
+                "shuffled": float(shuffled), "shuffled_ci": list(percentile_interval(replicates[1], confidence)),
+                "gap_ci": list(percentile_interval(gap, confidence))}

@@ -44,6 +44,24 @@ class ReduceOptions(StrictParams):
     prc_neighborhood: Annotated[int, Field(ge=1)] = 3
     seed_spread_sd: Annotated[float, Field(gt=0)] = 2.0  # "within seed spread": |FID - mean| <= this many sd
     plots: bool = True
+    # Text-image alignment of prompt runs (specray.eval.alignment): "auto" is the digits score for the
+    # digits reference and CLIP score when clip_model is given, else none.
+    alignment: Literal["auto", "digits", "clip", "none"] = "auto"
+    clip_model: str | None = None  # a local CLIP model folder (transformers layout) for the clip score
+
+    @field_validator("clip_model")
+    @classmethod
+    def _clip_folder(cls, value: str | None) -> str | None:
+        if value is not None and not Path(value).expanduser().is_dir():
+            raise ParamError("clip_model", f"{value!r} is not a folder; give a local CLIP model folder "
+                                           "(save_pretrained layout: config.json, weights, tokenizer)")
+        return value
+
+    def alignment_scorer(self, reference_kind: str) -> str | None:
+        """The alignment score to use for a prompt run against ``reference_kind``, or None."""
+        if self.alignment == "auto":
+            return "clip" if self.clip_model else ("digits" if reference_kind == "digits" else None)
+        return None if self.alignment == "none" else self.alignment
 
     @field_validator("device")
     @classmethod

@@ -126,10 +126,11 @@ def reduce_run(
     arm_results: dict[str, dict[str, Any]] = {}
     accumulators: dict[str, ArmAccumulator] = {}
     bootstrap_fids: dict[str, np.ndarray] = {}
+    scorer = _alignment_scorer(manifest, options, reference_stats.kind)
     extraction_s = 0.0
     with Progress(manifest.num_rows, what="features", enabled=show_progress) as progress:
         for index, arm in enumerate(manifest.arm_names):
-            acc, seconds = _stream_arm(store, manifest, arm, extractor, options, progress)
+            acc, seconds = _stream_arm(store, manifest, arm, extractor, options, progress, scorer)
             extraction_s += seconds
             arm_results[arm] = _score_arm(arm, manifest, acc, reference_stats, reference_images, options,
                                           bootstrap_fids)
@@ -166,6 +167,7 @@ def _score_arm(arm: str, manifest: RunManifest, acc: ArmAccumulator, reference_s
     entry["inception_score"] = acc.isc.result() if acc.isc is not None else None
     entry["precision_recall"] = _precision_recall(acc, reference_stats, options)
     acc.prc = None  # type: ignore[assignment]
+    entry["alignment"] = acc.alignment.result(options.confidence) if acc.alignment is not None else None
     return entry
 
 
@@ -193,6 +195,9 @@ def _pair_with_baselines(manifest: RunManifest, arm_results: dict[str, dict[str,
                 "ci": list(ci),
                 "within_noise": bool(ci[0] <= 0.0 <= ci[1]),
             }
+        if compared is not None and compared != arm:
+            _alignment_difference(entry, arm_results[compared], accumulators[arm], accumulators[compared], compared,
+                                  options.confidence)
         arm_acc, base_acc = accumulators[arm], accumulators[baseline]
         nfe = ratio_with_paired_bootstrap(base_acc.totals.target_calls, arm_acc.totals.target_calls,
                                           base_acc.target_calls_boot, arm_acc.target_calls_boot, options.confidence)
@@ -214,6 +219,20 @@ def _pair_with_baselines(manifest: RunManifest, arm_results: dict[str, dict[str,
             num_replicates=options.speedup_replicates, seed=options.bootstrap_seed, confidence=options.confidence,
         )
         entry["speedup"]["warning"] = _few_pairs_warning(entry["speedup"]["num_pairs"])
+
+
+def _alignment_difference(entry: dict[str, Any], base_entry: dict[str, Any], acc: ArmAccumulator,
+                          base_acc: ArmAccumulator, baseline: str, confidence: float) -> None:
+    """The arm's alignment minus its baseline's, with a paired bootstrap interval and the verdict."""
+    from specray.eval.bootstrap import percentile_interval
+
+    mine, theirs = entry.get("alignment"), base_entry.get("alignment")
+    if not mine or not theirs or mine["value"] is None or theirs["value"] is None:
+        return
+    diff = acc.alignment.replicates()[0] - base_acc.alignment.replicates()[0]  # same sample ids: paired
+    ci = percentile_interval(diff, confidence)
+    mine["diff_vs_baseline"] = {"baseline": baseline, "value": mine["value"] - theirs["value"], "ci": list(ci),
+                                "within_noise": bool(ci[0] <= 0.0 <= ci[1])}
 
 
 def _few_pairs_warning(num_pairs: int) -> str | None:
@@ -282,9 +301,20 @@ def _assemble(run_dir: str, manifest: RunManifest, checks: dict | None, extracto
     return report
 
 
+def _alignment_scorer(manifest: RunManifest, options: ReduceOptions, reference_kind: str):
+    """The text-image alignment scorer of a prompt run (None for class-label runs or when off)."""
+    conditions = (manifest.raw.get("spec") or {}).get("conditions") or {}
+    name = options.alignment_scorer(reference_kind) if conditions.get("kind") == "prompts" else None
+    if name is None:
+        return None
+    from specray.eval.alignment import load_scorer
+
+    return load_scorer(name, options.device, options.clip_model)
+
+
 def _stream_arm(
     store: RunStore, manifest: RunManifest, arm: str, extractor: ImageFeatureExtractor, options: ReduceOptions,
-    progress: Progress | None = None,
+    progress: Progress | None = None, scorer: Any = None,
 ) -> tuple[ArmAccumulator, float]:
     acc = ArmAccumulator(
         name=arm,
@@ -298,6 +328,10 @@ def _stream_arm(
         isc_splits=options.isc_splits,
         prc_max_samples=options.prc_max_samples if options.prc else 0,
     )
+    if scorer is not None:
+        from specray.eval.alignment import AlignmentAccumulator
+
+        acc.alignment = AlignmentAccumulator(scorer, options.bootstrap_seed, options.bootstrap_replicates)
     seconds = 0.0
     entries = sorted((e for e in manifest.shards if e.arm == arm), key=lambda e: e.shard)
     for entry in entries:
@@ -307,6 +341,9 @@ def _stream_arm(
             images = decode_images(batch.column("image"))
             features = extractor(images)
             acc.update(batch, entry.shard, images, features)
+            if acc.alignment is not None and "prompt" in batch.schema.names:
+                acc.alignment.update(batch.column("sample_id").to_numpy().astype(np.int64), images,
+                                     batch.column("prompt").to_pylist())
             seconds += time.perf_counter() - began
             rows += batch.num_rows
             if progress is not None:

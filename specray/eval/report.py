@@ -179,6 +179,30 @@ def markdown_table(columns: list[str] | tuple[str, ...], rows: list[list[str]]) 
     return "\n".join(lines)
 
 
+def alignment_lines(report: dict[str, Any]) -> list[str]:
+    """report.md's text-image alignment table (prompt runs only)."""
+    arms = [a for a in report["arms"] if (a.get("alignment") or {}).get("value") is not None]
+    if not arms:
+        return []
+    scorer = arms[0]["alignment"]["scorer"]
+    what = ("share of the prompt's digit and attributes (size, weight, slant) the image shows, by the digits "
+            "classifier and the measured attributes" if scorer == "digits" else "CLIP score (100 x cosine)")
+    rows = []
+    for arm in arms:
+        align = arm["alignment"]
+        diff = align.get("diff_vs_baseline") or {}
+        verdict = "-" if not diff else ("within noise" if diff["within_noise"] else "OUTSIDE noise")
+        rows.append([arm["arm"], _fmt_interval(align["value"], align["ci"], 3),
+                     _fmt_interval(align["shuffled"], align["shuffled_ci"], 3),
+                     _fmt_interval(diff.get("value"), diff.get("ci"), 3) if diff else "-",
+                     f"{verdict} (vs `{diff['baseline']}`)" if diff else verdict])
+    return ["", "## Text-image alignment", "",
+            f"Score: {what}. Shuffled: each image against another sample's prompt of its batch (a fixed "
+            "derangement): the gap is what the prompts explain. Intervals: Poisson bootstrap keyed by sample_id, "
+            "paired between arms.", "",
+            markdown_table(["arm", "alignment [CI]", "shuffled prompts [CI]", "Δ vs baseline [CI]", "verdict"], rows)]
+
+
 def render_markdown(report: dict[str, Any], plot_names: list[str]) -> str:
     """report.md: setup, a table per family, FID-noise statements, plots and the grid."""
     setup = report["fid_setup"]
@@ -224,6 +248,7 @@ def render_markdown(report: dict[str, Any], plot_names: list[str]) -> str:
                              f"{cap if cap is not None else ''}-try cap was hit {resampling['resample_cap_hits']} "
                              f"times ({_fmt(100 * rate if rate is not None else None, 1)}%): those tokens fell back "
                              "to the target's mean and are not exactly target-distributed")
+    lines += alignment_lines(report)
     spreads = report.get("seed_spread") or []
     if spreads:
         lines += ["", "## Seed-to-seed spread", "",

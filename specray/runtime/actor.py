@@ -102,6 +102,7 @@ class ShardWorker:
             torch.set_num_threads(max(1, int(spec.num_cpus_per_actor)))
         self._pairs: dict[tuple[str, str, str | None], ModelPair] = {}
         self._methods: dict[str, tuple[Method, MethodParams]] = {}  # arm name -> entry and typed params
+        self._prompt_cache = None  # a prompt job's text encoder with its per-prompt cache, loaded once
         self._versions = {"specray_version": specray.__version__, "torch_version": torch.__version__}
         self.actor = actor_tag()
         self._broken: str | None = None  # set by a device failure: refuse further work
@@ -189,13 +190,18 @@ class ShardWorker:
         pair = self._pair(task.group_key)
         run_batch = FAMILIES[task.group_key[0]].loop()
         rows: dict[str, list[dict[str, Any]]] = {arm.name: [] for arm in arms}
+        prompt_features = self._shard_prompt_features(task)
         # Batch-major, arms in job order: each arm sees the same batches with the same
         # seeds on the same actor at nearly the same time (paired wall times).
         for start, stop in task.shard.batch_ranges():
             sample_ids, labels = self.plan.batch(start, stop)
+            conditions = labels
+            if prompt_features is not None:
+                features, row_of = prompt_features
+                conditions = features.select([row_of[int(i)] for i in labels]).to(pair.device)
             for arm in arms:
-                result, wall = self._timed_batch(run_batch, arm, pair, labels, sample_ids)
-                rows[arm.name].extend(self._rows(arm, result, wall, sample_ids, labels))
+                result, wall = self._timed_batch(run_batch, arm, pair, conditions, sample_ids)
+                rows[arm.name].extend(self._rows(arm, result, wall, sample_ids, labels, task.prompts))
                 yield len(sample_ids)
         fingerprint = self.spec.fingerprint()
         for arm in arms:
@@ -203,12 +209,34 @@ class ShardWorker:
             done[arm.name] = self.store.write_shard(relpaths[arm.name], rows_to_table(rows.pop(arm.name)), identity)
         return [done[arm.name] for arm in task.arms]
 
+    def _shard_prompt_features(self, task: ShardTask):
+        """A prompt job's features of the shard's prompts, encoded in one call (prompts this actor
+        encoded for an earlier shard come from its cache), and each prompt index's row in them."""
+        if task.prompts is None:
+            return None
+        if self._prompt_cache is None:
+            from specray.models.text import PromptCache, load_text_encoder
+
+            source = self.spec.conditions.prompts
+            try:
+                encoder = load_text_encoder(source.encoder, self.device, source.encoder_path)
+            except (OSError, ValueError) as exc:
+                raise DeterministicFailure(f"text encoder {source.encoder!r} cannot be loaded: "
+                                           f"{type(exc).__name__}: {exc}") from exc
+            self._prompt_cache = PromptCache(encoder)
+        order = list(task.prompts)
+        features = self._prompt_cache.features([task.prompts[i][0] for i in order],
+                                               [task.prompts[i][1] for i in order])
+        return features, {index: row for row, index in enumerate(order)}
+
     def arm_seed(self, arm: ArmSpec) -> int:
         """The seed of every sample of ``arm``: the job seed shifted by the arm's ``seed_offset``."""
         return self.spec.seed + int(getattr(arm, "seed_offset", 0))
 
     def _rows(self, arm: ArmSpec, result: GenerationResult, wall_s: float, sample_ids: torch.Tensor,
-              labels: torch.Tensor) -> list[dict[str, Any]]:
+              labels: torch.Tensor, prompts: dict[int, tuple[str, str]] | None = None) -> list[dict[str, Any]]:
+        """One row per sample. A prompt job's ``labels`` are prompt indices: its rows hold the prompt
+        id, text and repeat, and ``class_label`` -1 (no class)."""
         images = result.images.detach().to("cpu").numpy()
         batch = len(sample_ids)
         if images.shape[0] != batch or len(result.stats) != batch:
@@ -223,7 +251,8 @@ class ShardWorker:
             rows.append({
                 "job_id": self.spec.job_id, "arm": arm.name, "method": arm.method, "family": arm.family,
                 "target": arm.target_key, "draft": arm.draft_key,
-                "sample_id": int(sample_ids[row]), "seed": self.arm_seed(arm), "class_label": int(labels[row]),
+                "sample_id": int(sample_ids[row]), "seed": self.arm_seed(arm),
+                **self._condition_columns(int(sample_ids[row]), int(labels[row]), prompts),
                 "image": image_cell(image),
                 "height": int(image.shape[0]), "width": int(image.shape[1]),
                 **record,
@@ -233,6 +262,14 @@ class ShardWorker:
                 "extra_stats": json.dumps(extra, sort_keys=True, default=_json_default),
             })
         return rows
+
+    def _condition_columns(self, sample_id: int, label: int, prompts: dict[int, tuple[str, str]] | None
+                           ) -> dict[str, Any]:
+        if prompts is None:
+            return {"class_label": label, "prompt_id": None, "prompt": None, "repeat": None}
+        prompt_id, text = prompts[label]
+        return {"class_label": -1, "prompt_id": prompt_id, "prompt": text,
+                "repeat": sample_id // self.plan.num_prompts}
 
 
 def _is_transient_io(exc: BaseException) -> bool:

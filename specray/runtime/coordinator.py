@@ -73,14 +73,18 @@ def plan_tasks(spec: JobSpec, plan: ShardPlan, store: RunStore) -> tuple[list[Sh
     """
     committed = set(store.list_files("samples"))
     groups = spec.arm_groups()
+    prompt_set = spec.prompt_set()
     tasks: list[ShardTask] = []
     committed_rows = 0
     for shard in plan.iter_shards():
+        prompts = None
         for key, arms in groups:
             missing = tuple(a for a in arms if shard_relpath(a.name, shard.index, shard.num_shards) not in committed)
             committed_rows += shard.num_samples * (len(arms) - len(missing))
             if missing:
-                tasks.append(ShardTask(shard=shard, group_key=key, arms=missing))
+                if prompt_set is not None and prompts is None:
+                    prompts = {i: (prompt_set.ids[i], prompt_set.texts[i]) for i in plan.prompt_indices(shard)}
+                tasks.append(ShardTask(shard=shard, group_key=key, arms=missing, prompts=prompts))
     return tasks, committed_rows
 
 

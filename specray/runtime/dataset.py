@@ -283,7 +283,7 @@ def render_card(spec: JobSpec, records: list[dict[str, Any]]) -> str:
         f"Partitioned by **{dataset.partition}** (`{DATA_DIR}/{dataset.partition}=<value>/`). "
         f"{len(records)} partition(s), {total} rows in all. One row per (arm, sample); the `image` column is "
         "`struct<bytes: binary, path: string>` holding PNG bytes (the Hugging Face datasets image convention).",
-        "", "## Partitions", "",
+        "", *_conditions_lines(spec), "## Partitions", "",
         f"| {dataset.partition} | job | seed | rows | rows per arm | files | published at |",
         "|---|---|---|---|---|---|---|",
     ]
@@ -317,6 +317,17 @@ def render_card(spec: JobSpec, records: list[dict[str, Any]]) -> str:
               yaml.safe_dump((latest or {}).get("spec") or storage.redact(spec.to_dict()), sort_keys=False).rstrip(),
               "```", ""]
     return "\n".join(lines)
+
+
+def _conditions_lines(spec: JobSpec) -> list[str]:
+    prompts = spec.conditions.prompts
+    if prompts is None:
+        return [f"Conditioned on class labels: {spec.conditions.per_class} samples per class "
+                f"(`class_label`).", ""]
+    return [f"Conditioned on text prompts: {prompts.num_prompts} prompts from `{storage.redact(prompts.source)}` "
+            f"(digest `{prompts.digest}`), {spec.conditions.repeats} image(s) each. `prompt` holds the text, "
+            "`prompt_id` its stable id and `repeat` which image of that prompt the row is; `class_label` is -1.",
+            ""]
 
 
 def _size_category(rows: int) -> str:

@@ -2,6 +2,7 @@
 
 Samples are numbered 0..N-1 (``sample_id``); sample ``i`` has class
 ``classes[i % len(classes)]`` so every prefix of the list is class-balanced.
+A prompt job's sample ``i`` shows prompt ``i % P`` (its ``i // P``-th repeat) the same way.
 The list is cut into batches of ``batch_size`` FIRST and whole batches are then
 grouped into shards. A batch's composition therefore depends only on the batch
 size, never on the shard size or the actor count, which is what keeps images
@@ -47,6 +48,9 @@ class ShardTask:
     shard: Shard
     group_key: tuple[str, str, str | None]
     arms: tuple[ArmSpec, ...]  # the arms of the group still to commit, in job order
+    # A prompt job's prompts for this shard, {prompt index: (prompt id, text)}: tasks carry their own
+    # prompts, so no node reads the prompt file but the driver.
+    prompts: dict[int, tuple[str, str]] | None = None
 
     @property
     def label(self) -> str:
@@ -64,10 +68,14 @@ class ShardPlan:
     num_samples: int
     batch_size: int
     shard_batches: int
-    classes: tuple[int, ...]
+    classes: tuple[int, ...] | None  # None for a prompt job
+    num_prompts: int = 0  # > 0 for a prompt job: batch() gives prompt indices instead of class labels
 
     @classmethod
     def of(cls, spec: JobSpec) -> "ShardPlan":
+        prompts = spec.conditions.prompts
+        if prompts is not None:
+            return cls(spec.num_samples, spec.batch_size, spec.shard_batches, None, prompts.num_prompts)
         assert spec.conditions.classes is not None
         return cls(spec.num_samples, spec.batch_size, spec.shard_batches, spec.conditions.classes)
 
@@ -97,21 +105,36 @@ class ShardPlan:
         return list(self.iter_shards())
 
     def labels(self, sample_ids: "torch.Tensor") -> "torch.Tensor":
+        """Each sample's class label, or for a prompt job its prompt's index in the prompt set."""
         import torch
 
+        if self.num_prompts:
+            return sample_ids % self.num_prompts
         classes = torch.tensor(self.classes, dtype=torch.int64)
         return classes[sample_ids % len(self.classes)]
 
+    def prompt_indices(self, shard: Shard) -> list[int]:
+        """The distinct prompts a shard shows, in first-use order (what its actor encodes)."""
+        if not self.num_prompts:
+            return []
+        if shard.num_samples >= self.num_prompts:
+            start = shard.start % self.num_prompts
+            return [(start + k) % self.num_prompts for k in range(self.num_prompts)]
+        return [i % self.num_prompts for i in range(shard.start, shard.stop)]
+
     def batch(self, start: int, stop: int) -> tuple["torch.Tensor", "torch.Tensor"]:
-        """(sample_ids, labels) of the samples start..stop-1, int64 [B]."""
+        """(sample_ids, labels) of the samples start..stop-1, int64 [B] (labels: see :meth:`labels`)."""
         import torch
 
         sample_ids = torch.arange(start, stop, dtype=torch.int64)
         return sample_ids, self.labels(sample_ids)
 
     def layout(self) -> dict[str, int]:
-        return {"num_samples": self.num_samples, "batch_size": self.batch_size,
-                "shard_batches": self.shard_batches, "num_shards": self.num_shards}
+        layout = {"num_samples": self.num_samples, "batch_size": self.batch_size,
+                  "shard_batches": self.shard_batches, "num_shards": self.num_shards}
+        if self.num_prompts:
+            layout["num_prompts"] = self.num_prompts
+        return layout
 
 
 SAMPLES_DIR = "samples"

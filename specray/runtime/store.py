@@ -52,7 +52,10 @@ SAMPLE_SCHEMA = pa.schema([
     ("draft", pa.string()),
     ("sample_id", pa.int64()),
     ("seed", pa.int64()),
-    ("class_label", pa.int64()),
+    ("class_label", pa.int64()),  # -1 in a prompt job
+    ("prompt_id", pa.string()),  # a prompt job's prompt (null in a class-label job)
+    ("prompt", pa.string()),
+    ("repeat", pa.int64()),  # which repeat of its prompt the sample is (sample_id // number of prompts)
     ("image", IMAGE_TYPE),
     ("height", pa.int32()),
     ("width", pa.int32()),
