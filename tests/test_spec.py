@@ -58,7 +58,7 @@ BAD_FIELDS = [
     ("conditions.classes", [0, 4], "conditions.classes[1]", "out of range; allowed: 0..3"),
     ("conditions.classes", [1, 1], "conditions.classes[1]", "listed twice"),
     ("conditions.classes", "some", "conditions.classes", '"all" or a non-empty list'),
-    ("conditions.kind", "prompts", "conditions.kind", "allowed: class_labels"),
+    ("conditions.kind", "captions", "conditions.kind", "allowed: class_labels, prompts"),
     ("batch_size", 0, "batch_size", "integer >= 1, got 0"),
     ("batch_size", 2.5, "batch_size", "integer >= 1"),
     ("shard_batches", 0, "shard_batches", "integer >= 1"),
