@@ -873,7 +873,7 @@ def _prompt_subset(path: str, raw: Any) -> tuple[int | None, int | None, int]:
 
 def _text_encoder(path: str, raw: Mapping[str, Any], arms: tuple[ArmSpec, ...]) -> tuple[str, str | None]:
     """The encoder every arm's model was trained with (a job may name another: ``encoder``, ``encoder_path``)."""
-    from specray.models.text import ENCODERS
+    from specray.prompts import ENCODERS
 
     trained = {_preset_config(ref).get("text_encoder", "minilm") for arm in arms for ref in (arm.target, arm.draft)
                if _preset_config(ref).get("condition") == "text"}

@@ -36,7 +36,8 @@ def _without_torch(code: str, *args: str) -> subprocess.CompletedProcess:
 
 
 def test_validation_runs_without_torch():
-    jobs = [str(REPO_ROOT / "specray" / "demo.yaml"), *map(str, sorted((REPO_ROOT / "jobs").glob("*.yaml")))]
+    jobs = [str(REPO_ROOT / "specray" / "demo.yaml"), str(REPO_ROOT / "specray" / "demo_prompts.yaml"),
+            *map(str, sorted((REPO_ROOT / "jobs").glob("*.yaml")))]
     proc = _without_torch("""
         import sys
         from specray.cli import main
