@@ -131,6 +131,10 @@ def train_preset(name: str, out_dir: Path, seed: int = 0) -> Path:
     preset = get_preset(name)
     if preset.family != "discrete_ar":
         raise ValueError(f"preset {name!r} is family {preset.family!r}; this trainer handles 'discrete_ar'")
+    if preset.config.get("kind") == "eagle_head":
+        from specray.models.eagle_train import train_head_preset
+
+        return train_head_preset(name, out_dir, seed)
     model_config = GPTConfig.from_dict(preset.config)
     train_config = TrainConfig.from_dict(preset.train)
     model, record = train_model(model_config, train_config, seed=seed, log_every=100)
