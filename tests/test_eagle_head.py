@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,8 +18,12 @@ from specray.methods.params import ParamError
 from specray.models.discrete_ar import DiscreteGPT, GPTConfig
 from specray.models.draft_formats import LanternDrafter
 from specray.models.eagle_head import EagleHead, check_head_for_target, head_logits
-from specray.models.lantern_drafter import head_state_from_lantern, lantern_key_shapes, load_lantern_drafter, read_state
-from pathlib import Path
+from specray.models.lantern_drafter import (
+    head_state_from_lantern,
+    lantern_key_shapes,
+    load_lantern_drafter,
+    read_state,
+)
 
 torch.set_num_threads(1)
 

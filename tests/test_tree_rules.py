@@ -15,10 +15,22 @@ import torch
 from scipy import stats
 
 from specray import rng as srng
-from specray.methods.discrete.lantern import neighbours_from_embeddings, relaxed_target_mass_all_tokens
+from specray.methods.discrete.lantern import (
+    neighbours_from_embeddings,
+    relaxed_target_mass_all_tokens,
+)
 from specray.methods.discrete.rules import RuleParams, cool_sd_omegas, verify
-from specray.methods.discrete.tree_rules import tree_index, verify_tree, verify_tree_with_details
-from specray.methods.discrete.trees import NAMED_TREES, StaticTree, TreeError, resolve_tree
+from specray.methods.discrete.tree_rules import (
+    tree_index,
+    verify_tree,
+    verify_tree_with_details,
+)
+from specray.methods.discrete.trees import (
+    NAMED_TREES,
+    StaticTree,
+    TreeError,
+    resolve_tree,
+)
 from tests.discrete_enumeration import lookup, random_chain, total_variation
 from tests.tree_enumeration import (
     ToyTree,

@@ -31,9 +31,20 @@ import numpy as np
 import torch
 
 from specray.methods.discrete.rules import RuleParams, rule_omegas
-from specray.methods.discrete.tree_rules import ResidualFn, _verify_tree_impl, rejection_residual, tree_index
+from specray.methods.discrete.tree_rules import (
+    ResidualFn,
+    _verify_tree_impl,
+    rejection_residual,
+    tree_index,
+)
 from specray.methods.discrete.trees import StaticTree
-from tests.discrete_enumeration import ToyChain, lookup, random_chain, suffix_target_probs, total_variation
+from tests.discrete_enumeration import (
+    ToyChain,
+    lookup,
+    random_chain,
+    suffix_target_probs,
+    total_variation,
+)
 
 
 @dataclass

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specray.models.draft_formats import HEAD_KIND, EagleHeadFile
+from specray.models.configs import dataclass_from_dict
 from specray.models.discrete_ar import (
     PREFIX_ROPE_MODES,
     Attention,
@@ -39,7 +39,7 @@ from specray.models.discrete_ar import (
     precompute_rope_2d,
     rotary_factors,
 )
-
+from specray.models.draft_formats import HEAD_KIND, EagleHeadFile
 
 
 @dataclass(frozen=True)
@@ -82,11 +82,7 @@ class EagleHeadConfig:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "EagleHeadConfig":
-        allowed = set(cls.__dataclass_fields__)
-        unknown = set(d) - allowed
-        if unknown:
-            raise ValueError(f"unknown EagleHeadConfig fields {sorted(unknown)}; allowed: {sorted(allowed)}")
-        return cls(**d)
+        return dataclass_from_dict(cls, d, "EagleHeadConfig")
 
     def to_json(self) -> str:
         return json.dumps({"kind": HEAD_KIND, **asdict(self)})

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 
 from specray.methods.discrete.params import Sampling
 from specray.methods.discrete.processing import process_with
+from specray.models.configs import dataclass_from_dict
 from specray.models.discrete_ar import DiscreteGPT, load_model
 from specray.models.eagle_head import HEAD_KIND, EagleHead, EagleHeadConfig, head_logits
 
@@ -61,14 +62,7 @@ class HeadTrainConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> "HeadTrainConfig":
-        allowed = set(cls.__dataclass_fields__)
-        unknown = set(d) - allowed
-        if unknown:
-            raise ValueError(f"unknown head training fields {sorted(unknown)}; allowed: {sorted(allowed)}")
-        d = dict(d)
-        if "betas" in d:
-            d["betas"] = tuple(d["betas"])
-        return cls(**d)
+        return dataclass_from_dict(cls, d, "head training")
 
 
 @dataclass
@@ -211,7 +205,9 @@ def train_head_preset(name: str, out_dir: Path, seed: int = 0) -> Path:
     if raw.pop("kind", None) != HEAD_KIND:
         raise ValueError(f"preset {name!r} is not an EAGLE head (config kind {preset.config.get('kind')!r})")
     cfg = HeadTrainConfig.from_dict(preset.train)
-    target = load_model(cfg.target, "cpu")
+    # The target as trained into the same folder (`specray train all --out-dir`), else the package's.
+    fresh = Path(out_dir) / f"{cfg.target}.safetensors"
+    target = load_model(str(fresh) if fresh.exists() else cfg.target, "cpu")
     head, record, heldout = train_head(target, cfg, seed=seed, log_every=500, config=EagleHeadConfig.from_dict(raw))
     # Score the weights as stored (fp16-rounded).
     head.load_state_dict({k: v.to(torch.float16).float() for k, v in head.state_dict().items()})
@@ -229,6 +225,7 @@ def train_head_preset(name: str, out_dir: Path, seed: int = 0) -> Path:
         "generation_seconds": f"{record['generation_seconds']:.1f}",
         "train_seconds": f"{record['train_seconds']:.1f}",
         "torch_version": torch.__version__,
+        "torch_threads": str(torch.get_num_threads()),
     }
     path = save_head(head, Path(out_dir) / f"{name}.safetensors", metadata)
     print(f"{name}: held-out first-draft alpha {scores['alpha']:.4f}, top-1 {scores['top1']:.4f} -> {path}")

@@ -42,7 +42,12 @@ from specray.methods.discrete.loop import RoundUniforms, _decide, _next_round
 from specray.methods.discrete.params import Sampling, Speculative
 from specray.methods.discrete.processing import process_with
 from specray.methods.discrete.rules import RuleParams, rule_params_for_pair
-from specray.methods.discrete.tree_rules import TREE_RULES, TreeIndex, tree_index, verify_tree
+from specray.methods.discrete.tree_rules import (
+    TREE_RULES,
+    TreeIndex,
+    tree_index,
+    verify_tree,
+)
 from specray.methods.discrete.trees import StaticTree, resolve_tree
 from specray.models.discrete_ar import DiscreteGPT
 from specray.models.eagle_head import EagleHead, head_logits

@@ -67,6 +67,13 @@ class Speculative(Sampling):
     def needs_draft(self) -> bool:
         return True
 
+    def to_dict(self) -> dict:
+        # A chain's parameters read as before trees existed: same params column, same job fingerprint.
+        out = super().to_dict()
+        if out.get("tree") is None:
+            out.pop("tree", None)
+        return out
+
     @property
     def draft_length(self) -> int:
         """Tokens a round may accept: ``gamma``, or the tree's depth."""
