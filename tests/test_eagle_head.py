@@ -125,6 +125,7 @@ def test_head_refuses_a_target_it_was_not_built_for():
         check_head_for_target(head, wide, "my-head")
 
 
+@torch.no_grad()
 def test_tree_forward_gives_each_node_its_path_law():
     """Spec §9.14 for trees: P at every node of one tree-masked verify call equals the sampler's
     processed law after feeding that node's path incrementally (fp32, max abs diff < 1e-5)."""
@@ -141,7 +142,7 @@ def test_tree_forward_gives_each_node_its_path_law():
     stream = GuidedModel(target, 1, sampling, 40)
     fed = torch.cat([label[:, None], prefix[:, :-1]], 1)
     stream.probs(torch.arange(1), fed, torch.arange(n)[None], prefix=True)
-    from specray.methods.discrete.eagle_loop import TargetStream, _tree_visible
+    from specray.methods.discrete.eagle_loop import TargetStream, _TreePlan
 
     tree_stream = TargetStream(target, 1, sampling, 40)
     tree_stream.probs(torch.arange(1), fed, torch.arange(n)[None], torch.arange(n)[None],
@@ -149,7 +150,8 @@ def test_tree_forward_gives_each_node_its_path_law():
     ids = torch.arange(tree.num_nodes + 1)
     tokens = torch.cat([prefix[:, -1:], nodes[:, 1:]], 1)
     P, _ = tree_stream.probs(torch.arange(1), tokens, n + index.depths[None], n + ids[None],
-                             _tree_visible(index, torch.tensor([n]), ids, 40, first=0))
+                             _TreePlan(tree, torch.device("cpu"), 0, torch.zeros(1, dtype=torch.int64), 8)
+                             .visible(torch.tensor([n]), ids, 40, first=0))
     for node in range(tree.num_nodes + 1):
         path = [0] + tree.ancestors(node)[::-1]
         path_tokens = tokens[:, path]

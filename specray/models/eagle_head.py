@@ -200,8 +200,8 @@ def check_head_for_target(head: EagleHead, target: DiscreteGPT, name: Any = None
         head.check_target(target)
     except ValueError as exc:
         raise ValueError(f"draft {name!r}: {exc}") from None
-    mine, theirs = head.embed_tokens.weight, target.tok_embeddings.weight
-    scale = float(theirs.detach().abs().max())
+    mine, theirs = head.embed_tokens.weight.detach(), target.tok_embeddings.weight.detach()
+    scale = float(theirs.abs().max())
     if not torch.allclose(mine, theirs.to(mine.dtype), rtol=1e-2, atol=1e-3 * max(scale, 1e-6)):
         diff = float((mine - theirs.to(mine.dtype)).abs().max())
         raise ValueError(f"draft {name!r}: the EAGLE head's token embeddings differ from the target's "

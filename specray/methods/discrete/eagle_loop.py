@@ -44,12 +44,11 @@ from specray.methods.discrete.processing import process_with
 from specray.methods.discrete.rules import RuleParams, rule_params_for_pair
 from specray.methods.discrete.tree_rules import (
     TREE_RULES,
-    TreeIndex,
     tree_index,
     verify_tree,
 )
 from specray.methods.discrete.trees import StaticTree, resolve_tree
-from specray.models.discrete_ar import DiscreteGPT
+from specray.models.discrete_ar import DiscreteGPT, KVCache
 from specray.models.eagle_head import EagleHead, head_logits
 from specray.models.pair import ModelPair
 
@@ -82,8 +81,14 @@ class TargetStream(_Streams):
     def __init__(self, model: DiscreteGPT, batch: int, sampling: Sampling, max_len: int) -> None:
         super().__init__(batch, sampling)
         self.model = model
-        self.cache = model.new_cache(self.rows, max_len)
         weight = model.output.weight
+        # One tensor per K and V over all layers (the cache's per-layer tensors are views of it), so
+        # moving the accepted path's slots is one copy, not two per layer.
+        shape = (len(model.layers), self.rows, max_len, model.config.n_head, model.config.head_dim)
+        self.keys = torch.zeros(shape, dtype=weight.dtype, device=weight.device)
+        self.values = torch.zeros(shape, dtype=weight.dtype, device=weight.device)
+        self.cache = KVCache([self.keys[i] for i in range(shape[0])], [self.values[i] for i in range(shape[0])],
+                             torch.zeros(self.rows, dtype=torch.int64, device=weight.device))
         self.features = torch.zeros(self.rows, max_len, model.config.dim, dtype=weight.dtype, device=weight.device)
 
     def probs(self, idx: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
@@ -109,9 +114,8 @@ class TargetStream(_Streams):
         """Move K/V of slots ``source [r, k]`` to ``dest [r, k]`` and store ``hidden [rows, k, D]`` at ``dest``."""
         rows = self.cache_rows(idx)[:, None]
         src, dst = self.both(source), self.both(dest)
-        for keys, values in zip(self.cache.keys, self.cache.values):
-            keys[rows, dst] = keys[rows, src]  # the right-hand side is a copy: overlapping slots are safe
-            values[rows, dst] = values[rows, src]
+        self.keys[:, rows, dst] = self.keys[:, rows, src]  # the right-hand side is a copy: overlaps are safe
+        self.values[:, rows, dst] = self.values[:, rows, src]
         self.features[rows, dst] = hidden.to(self.features.dtype)
 
 
@@ -226,10 +230,32 @@ def _commit_tokens(idx: torch.Tensor, full: bool, n: torch.Tensor, n_acc: torch.
 # ---- tree -------------------------------------------------------------------------------------------
 
 
-class _TreeKeys:
-    """Where each tree node's uniforms are keyed: depth - 1 (added to ``n_b``) and rank within its depth."""
+class _TreePlan:
+    """Everything about a tree a round reuses, built once per batch: per depth, the internal nodes the
+    head runs on, their attention rows and their children; and the round's uniforms.
 
-    def __init__(self, tree: StaticTree, device: torch.device) -> None:
+    Uniforms: node ``v`` at depth ``t`` draws from streams "draft" / "accept" at position
+    ``n_b + t - 1``, index = its rank among the nodes of depth ``t``; the residual at position ``n_b``.
+    Like :class:`~specray.methods.discrete.loop.RoundUniforms` they are computed for every position and
+    a chunk of rounds at once (the same values as one ``rng.uniform`` call per key).
+    """
+
+    def __init__(self, tree: StaticTree, device: torch.device, seed: int, sample_ids: torch.Tensor,
+                 num_positions: int) -> None:
+        self.tree = tree
+        self.index = index = tree_index(tree, device)
+        self.spare = tree.num_nodes + 1  # the column absent children write to
+        self.levels = []  # per depth: (internal node ids, their internal indices, their parents, kids per slot)
+        for depth in range(tree.depth):
+            nodes = list(tree.levels[depth])
+            slots = []
+            for j in range(tree.max_children):
+                kids = [tree.children[v][j] if j < len(tree.children[v]) else self.spare for v in nodes]
+                if any(k != self.spare for k in kids):
+                    slots.append((torch.tensor(kids, device=device), torch.tensor([k != self.spare for k in kids],
+                                                                                 device=device)))
+            ids = torch.tensor(nodes, device=device)
+            self.levels.append((ids, index.internal_of[ids], index.parents[ids].clamp(min=0), slots))
         ranks, seen = [0], {}
         for depth in tree.depths[1:]:
             ranks.append(seen.get(depth, 0))
@@ -237,59 +263,66 @@ class _TreeKeys:
         self.offset = torch.tensor([max(d - 1, 0) for d in tree.depths], device=device)
         self.rank = torch.tensor(ranks, device=device)
         self.width = max(seen.values())
-        self.depth = tree.depth
+        self.seed, self.sample_ids = seed, sample_ids
+        self.positions = torch.arange(num_positions, device=device)
+        self.chunk = max(4, min(32, 256 // max(1, sample_ids.shape[0])))
+        self.chunks: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
 
-    def round(self, seed: int, sample_ids: torch.Tensor, n: torch.Tensor, step: int) -> tuple[torch.Tensor, ...]:
-        """Uniforms ``[r, N+1]`` of streams draft and accept per node, and the residual ``[r]``."""
-        positions = n[:, None] + torch.arange(self.depth, device=n.device)
-        out = []
-        for stream in ("draft", "accept"):
-            u = rng.uniform(seed, sample_ids[:, None], stream, position=positions, step=step, shape=(self.width,))
-            out.append(u[:, self.offset, self.rank])
-        out.append(rng.uniform(seed, sample_ids, "residual", position=n, step=step))
-        return tuple(out)
+    def uniforms(self, step: int, idx: torch.Tensor, n: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Uniforms ``[r, N+1]`` of streams draft and accept per node, and the residual ``[r]``, of rows ``idx``."""
+        while len(self.chunks) <= step // self.chunk:
+            first = len(self.chunks) * self.chunk
+            steps = torch.arange(first, first + self.chunk, device=self.positions.device)[None, None, :]
+            sids, positions = self.sample_ids[:, None, None], self.positions[None, :, None]
+            self.chunks.append(tuple(
+                rng.uniform(self.seed, sids, stream, position=positions, step=steps, shape=shape)
+                for stream, shape in (("draft", (self.width,)), ("accept", (self.width,)), ("residual", ()))))
+        draft, accept, residual = (u[:, :, step % self.chunk] for u in self.chunks[step // self.chunk])
+        if idx.shape[0] != draft.shape[0]:
+            draft, accept, residual = draft[idx], accept[idx], residual[idx]
+        rows = torch.arange(idx.shape[0], device=idx.device)[:, None]
+        node_positions = n[:, None] + self.offset[None]
+        return (draft[rows, node_positions, self.rank], accept[rows, node_positions, self.rank],
+                residual.gather(1, n[:, None])[:, 0])
 
+    def visible(self, n: torch.Tensor, nodes: torch.Tensor, max_len: int, first: int) -> torch.Tensor:
+        """``visible [r, len(nodes), S]``: committed slots ``first .. n - 1`` and the nodes' own root path."""
+        r = n.shape[0]
+        slots = torch.arange(max_len, device=n.device)
+        committed = ((slots >= first) & (slots < n[:, None]))[:, None, :].expand(r, nodes.shape[0], max_len)
+        tree_slots = (n[:, None] + torch.arange(self.spare, device=n.device))[:, None, :]
+        on_path = self.index.visible[nodes][None].expand(r, -1, -1)
+        return committed.clone().scatter_(2, tree_slots.expand(-1, nodes.shape[0], -1), on_path)
 
-def _tree_visible(index: TreeIndex, n: torch.Tensor, nodes: torch.Tensor, max_len: int, first: int) -> torch.Tensor:
-    """``visible [r, len(nodes), S]``: committed slots ``first .. n - 1`` and the nodes' own root path."""
-    r = n.shape[0]
-    slots = torch.arange(max_len, device=n.device)
-    committed = ((slots >= first) & (slots < n[:, None]))[:, None, :].expand(r, nodes.shape[0], max_len)
-    tree_slots = (n[:, None] + torch.arange(index.visible.shape[0], device=n.device))[:, None, :]
-    on_path = index.visible[nodes][None].expand(r, -1, -1)
-    return committed.clone().scatter_(2, tree_slots.expand(-1, nodes.shape[0], -1), on_path)
+    def draw_children(self, depth: int, q: torch.Tensor, u_draft: torch.Tensor, node_tokens: torch.Tensor,
+                      node_valid: torch.Tensor) -> None:
+        """Children of depth ``depth``'s internal nodes, without replacement from their laws ``q [r, L, V]``.
 
-
-def _draw_children(q: torch.Tensor, index: TreeIndex, internal: torch.Tensor, u_draft: torch.Tensor,
-                   node_tokens: torch.Tensor, node_valid: torch.Tensor) -> None:
-    """Children of the internal nodes ``internal [L]`` without replacement from their laws ``q [r, L, V]``.
-
-    ``node_tokens`` / ``node_valid`` have one spare last column that absent children write to.
-    """
-    left = q.to(torch.float64)
-    parents = index.internal[internal]
-    spare = node_tokens.shape[1] - 1
-    for j in range(index.child_nodes.shape[1]):
-        exists = index.child_exists[internal, j]
-        kids = torch.where(exists, index.child_nodes[internal, j], spare)  # [L]
-        mass = left.sum(-1)
-        drawn = exists[None] & (mass > 0) & node_valid[:, parents]
-        token = rng.sample_categorical(torch.where(mass[..., None] > 0, left, 1.0), u_draft[:, kids.clamp(max=spare - 1)])
-        node_tokens[:, kids] = torch.where(drawn, token, 0)
-        node_valid[:, kids] = drawn
-        taken = torch.zeros_like(left, dtype=torch.bool).scatter_(-1, token[..., None], drawn[..., None])
-        left = left.masked_fill(taken, 0.0)
+        ``node_tokens`` / ``node_valid`` ``[r, N+2]``: a spare last column takes the absent children's writes.
+        """
+        nodes, _, _, slots = self.levels[depth]
+        left = q.to(torch.float64)
+        parent_valid = node_valid[:, nodes]
+        u = torch.cat([u_draft, u_draft[:, :1]], 1)  # a spare column for absent children
+        for kids, exists in slots:
+            mass = left.sum(-1)
+            drawn = exists & (mass > 0) & parent_valid
+            token = rng.sample_categorical(torch.where(mass[..., None] > 0, left, 1.0), u[:, kids])
+            node_tokens[:, kids] = torch.where(drawn, token, 0)
+            node_valid[:, kids] = drawn
+            left = left.masked_fill(torch.zeros_like(left, dtype=torch.bool).scatter_(-1, token[..., None],
+                                                                                   drawn[..., None]), 0.0)
 
 
 def _tree(params: Speculative, pair: ModelPair, labels: torch.Tensor, sample_ids: torch.Tensor,
           seed: int) -> tuple[torch.Tensor, RoundTally]:
     target_model: DiscreteGPT = pair.target
     tree = resolve_tree(params.tree)
-    index = tree_index(tree, pair.device)
-    keys = _TreeKeys(tree, pair.device)
     depth, nodes = tree.depth, tree.num_nodes + 1
     num_tokens = target_model.config.num_image_tokens
     batch, device = labels.shape[0], labels.device
+    plan = _TreePlan(tree, device, seed, sample_ids, num_tokens + depth + 1)
+    index = plan.index
     max_len = target_model.max_seq_len + nodes
     target = TargetStream(target_model, batch, params, max_len)
     head = HeadStream(pair.draft, target_model, batch, params, max_len)
@@ -300,6 +333,7 @@ def _tree(params: Speculative, pair: ModelPair, labels: torch.Tensor, sample_ids
     tally.add_calls(None, target=1)
     node_ids = torch.arange(nodes, device=device)
     depth_steps = torch.arange(depth, device=device)
+    node_depth = index.depths[1:, None] == depth_steps[None] + 1  # [N, depth]: node v sits at depth t + 1
     vocab = target_model.config.vocab_size
     for it in range(num_tokens):
         idx = torch.nonzero(committed < num_tokens).squeeze(1)
@@ -308,52 +342,47 @@ def _tree(params: Speculative, pair: ModelPair, labels: torch.Tensor, sample_ids
         n = committed[idx]
         r = idx.shape[0]
         row_tokens = tokens[idx]
-        u_draft, u_accept, u_residual = keys.round(seed, sample_ids[idx], n, it)
-        node_tokens = torch.zeros(r, nodes + 1, dtype=torch.int64, device=device)  # + a spare column
+        u_draft, u_accept, u_residual = plan.uniforms(it, idx, n)
+
+        # 1-2. CATCH UP, then one head call per depth over that depth's internal nodes.
+        node_tokens = torch.zeros(r, nodes + 1, dtype=torch.int64, device=device)
         node_valid = torch.zeros(r, nodes + 1, dtype=torch.bool, device=device)
         node_valid[:, 0] = True
         Q = torch.zeros(r, index.internal.shape[0], vocab, dtype=torch.float32, device=device)
-        predicted = torch.zeros(head.both(n).shape[0], nodes, target_model.config.dim, device=device)
-
+        predicted = torch.zeros(2 * r if head.guided else r, nodes, target_model.config.dim, device=device)
         q, predicted[:, 0] = _catch_up(head, target, idx, n, row_tokens, depth + 1)
         Q[:, 0] = q
-        _draw_children(q[:, None], index, torch.zeros(1, dtype=torch.int64, device=device), u_draft,
-                       node_tokens, node_valid)
+        plan.draw_children(0, q[:, None], u_draft, node_tokens, node_valid)
         for t in range(1, depth):
-            level = torch.tensor(tree.levels[t], device=device)
-            if level.numel() == 0:
-                continue
+            level, internal, parents, _ = plan.levels[t]
             positions = (n + t)[:, None].expand(r, level.shape[0])
-            q, out = head.probs(idx, predicted[:, index.parents[level]], node_tokens[:, level], positions,
-                                n[:, None] + level, _tree_visible(index, n, level, max_len, first=1))
+            q, out = head.probs(idx, predicted[:, parents], node_tokens[:, level], positions, n[:, None] + level,
+                                plan.visible(n, level, max_len, first=1))
             predicted[:, level] = out
-            internal = index.internal_of[level]
             Q[:, internal] = q
-            _draw_children(q, index, internal, u_draft, node_tokens, node_valid)
+            plan.draw_children(t, q, u_draft, node_tokens, node_valid)
         node_tokens, node_valid = node_tokens[:, :nodes], node_valid[:, :nodes]
 
+        # 3-4. VERIFY the whole tree in one target call, DECIDE depth by depth.
         fed = torch.cat([row_tokens.gather(1, (n - 1)[:, None]), node_tokens[:, 1:]], dim=1)
-        positions = n[:, None] + index.depths
         slots = n[:, None] + node_ids
-        P, hidden = target.probs(idx, fed, positions, slots, _tree_visible(index, n, node_ids, max_len, first=0))
-        remaining = (num_tokens - 1 - n)[:, None]  # drafts a row may still take
-        verifiable = node_valid & (index.depths[None] <= remaining)
+        P, hidden = target.probs(idx, fed, n[:, None] + index.depths, slots, plan.visible(n, node_ids, max_len, first=0))
+        verifiable = node_valid & (index.depths[None] <= (num_tokens - 1 - n)[:, None])  # room left in the image
         out = verify_tree(params.rule, index, P, Q, node_tokens, verifiable, u_accept, u_residual, rule_params)
 
+        # 5. COMMIT: accepted node at depth t + 1 -> image token n + t, sequence position n + t + 1.
         n_acc, path = out.n_accepted, out.path
         accepted = depth_steps[None] < n_acc[:, None]
-        dest = n[:, None] + 1 + depth_steps  # depth t + 1 -> image token n + t, sequence position n + t + 1
+        dest = n[:, None] + 1 + depth_steps
         row_tokens.scatter_(1, torch.where(accepted, dest - 1, n[:, None] + depth), node_tokens.gather(1, path))
         target.keep_features(idx, n[:, None], hidden[:, :1])
-        source_rows = torch.arange(hidden.shape[0], device=device)[:, None]
         kept = torch.where(accepted, slots.gather(1, path), dest)  # rejected depths move onto themselves
-        target.move(idx, kept, dest, hidden[source_rows, head.both(path)])
+        path_rows = torch.arange(hidden.shape[0], device=device)[:, None]
+        target.move(idx, kept, dest, hidden[path_rows, head.both(path)])
         _commit_tokens(idx, False, n, n_acc, out.next_token, row_tokens, tokens, committed)
         drafted = verifiable[:, 1:]
-        depth_drafted = torch.zeros(r, depth, dtype=torch.bool, device=device).index_put_(
-            (torch.arange(r, device=device)[:, None].expand_as(drafted), index.depths[1:][None].expand_as(drafted) - 1),
-            drafted, accumulate=True)
-        tally.observe(idx, n[:, None] + depth_steps, depth_drafted, accepted, drafted_count=drafted.sum(1))
+        tally.observe(idx, n[:, None] + depth_steps, (drafted[:, :, None] & node_depth[None]).any(1), accepted,
+                      drafted_count=drafted.sum(1))
         tally.add_calls(idx, target=1, draft=depth)
     tally.flush()
     return tokens[:, :num_tokens], tally
