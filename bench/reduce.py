@@ -45,6 +45,17 @@ def run_one(n: int, num_arms: int, replicates: int) -> dict:
         write_s = time.perf_counter() - began
         parquet_bytes = sum(p.stat().st_size for p in Path(tmp).rglob("*.parquet"))
         options = ReduceOptions(image_budget_bytes=0, bootstrap_replicates=replicates, plots=False)
+        from specray.eval.shards import read_manifest
+        from specray.eval.verify import verify_files
+        from specray.runtime.store import RunStore
+
+        verify_times = []
+        for _ in range(3):  # the pre-scoring verification alone (reduce_run repeats it), median of 3
+            began = time.perf_counter()
+            store = RunStore(tmp)
+            verify_files(store, read_manifest(store))
+            verify_times.append(time.perf_counter() - began)
+        verify_s = sorted(verify_times)[1]
         rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         tracemalloc.start()
         began = time.perf_counter()
@@ -60,6 +71,7 @@ def run_one(n: int, num_arms: int, replicates: int) -> dict:
         "extract_and_stats_s": report["throughput"]["feature_extraction_s"],
         "images_per_s": report["throughput"]["images_per_s"],
         "reduce_wall_s": wall, "images_per_s_end_to_end": rows / wall,
+        "verify_s": verify_s, "verify_share_of_reduce": verify_s / wall,
         "tracemalloc_peak_mib": traced_peak / 2**20,
         "peak_rss_mib": rss_after / 1024, "rss_before_reduce_mib": rss_before / 1024,
         "fid": {a["arm"]: round(a["fid"]["value"], 3) for a in report["arms"]},
@@ -82,12 +94,13 @@ def main() -> None:
         out = subprocess.run([sys.executable, __file__, "--one", str(n), "--arms", str(args.arms),
                               "--replicates", str(args.replicates)], env=env, capture_output=True, text=True, check=True)
         results.append(json.loads(out.stdout.strip().splitlines()[-1]))
-    header = ("samples/arm", "rows", "parquet MiB", "extract+stats s", "images/s", "reduce wall s", "end-to-end img/s",
-              "tracemalloc peak MiB", "peak RSS MiB")
+    header = ("samples/arm", "rows", "parquet MiB", "verify s", "extract+stats s", "images/s", "reduce wall s",
+              "end-to-end img/s", "tracemalloc peak MiB", "peak RSS MiB")
     print("  ".join(header))
     for r in results:
         print("  ".join(str(v).rjust(len(h)) for v, h in zip(
-            (r["samples_per_arm"], r["rows"], f"{r['parquet_mib']:.1f}", f"{r['extract_and_stats_s']:.1f}",
+            (r["samples_per_arm"], r["rows"], f"{r['parquet_mib']:.1f}", f"{r['verify_s']:.2f}",
+             f"{r['extract_and_stats_s']:.1f}",
              f"{r['images_per_s']:.0f}", f"{r['reduce_wall_s']:.1f}", f"{r['images_per_s_end_to_end']:.0f}",
              f"{r['tracemalloc_peak_mib']:.1f}", f"{r['peak_rss_mib']:.0f}"), header)))
     print(json.dumps(results, indent=1))

@@ -62,10 +62,13 @@ def main() -> None:
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
+    import torch
+
     from specray.runtime.coordinator import run_job
     from specray.spec import load_job
 
-    spec = load_job(args.job, per_class=args.per_class, output=args.output)
+    gpus = {} if torch.cuda.is_available() else {"num_gpus_per_actor": 0}  # the job asks for GPUs; run on CPUs here
+    spec = load_job(args.job, per_class=args.per_class, output=args.output, **gpus)
     rss_before = current_rss_mb()
     sampler = RssSampler()
     sampler.start()

@@ -16,7 +16,9 @@ EXIT_BAD_INPUT = 2
 
 
 def _fail(message: str, code: int = EXIT_BAD_INPUT) -> None:
-    click.echo(f"error: {message}", err=True)
+    from specray.urls import redact_urls
+
+    click.echo(f"error: {redact_urls(message)}", err=True)  # a URL's user:password never reaches the terminal
     sys.exit(code)
 
 
@@ -64,8 +66,6 @@ def run(job_file: str | None, output: str | None, num_cpus: int | None, actors: 
 
     This is also what `ray job submit ... -- python jobs/submit.py JOB_FILE` runs on a cluster.
     """
-    from specray.runtime.coordinator import ShardFailedError, run_job
-
     if num_cpus is not None and num_cpus < 1:
         _fail(f"--num-cpus: must be an integer >= 1, got {num_cpus}")
     try:
@@ -73,6 +73,8 @@ def run(job_file: str | None, output: str | None, num_cpus: int | None, actors: 
                      batch_size=batch_size, seed=seed)
     except SpecError as exc:
         _fail(str(exc))
+    # Only now torch and Ray: a refused job costs a torch-free validation, not their start-up.
+    from specray.runtime.coordinator import ShardFailedError, run_job
     if "://" not in spec.output and not os.path.isabs(spec.output) and os.environ.get("RAY_JOB_SUBMISSION_ID"):
         logging.getLogger("specray").warning(
             "output %r is relative: it lands in this job's working directory on the head node; pass --output "
@@ -127,19 +129,39 @@ def validate(job_file: str) -> None:
                f"of {plan.shard_size}, fingerprint {spec.fingerprint()}")
 
 
+@specray.command()
+@click.argument("source", type=click.Path(dir_okay=False))
+@click.argument("dest", type=click.Path(dir_okay=False))
+@click.option("--entry", help="The state dict to take (default: model_ema, model, module, state_dict, the file).")
+@click.option("--trust-pickle", is_flag=True, help="Unpickle SOURCE with arbitrary code (only for a file you trust).")
+def convert(source: str, dest: str, entry: str | None, trust_pickle: bool) -> None:
+    """Write SOURCE's weights as DEST.safetensors (with its config) for the release-format loaders."""
+    from specray.models.checkpoints.convert import convert as convert_file
+    from specray.models.checkpoints.reading import CheckpointError
+
+    try:
+        out = convert_file(source, dest, entry=entry, trust_pickle=trust_pickle)
+    except CheckpointError as exc:
+        _fail(str(exc))
+    click.echo(f"wrote {out}")
+
+
 def _preset_names() -> list[str]:
     from specray.models.presets.train import all_preset_names
 
     return all_preset_names()
 
 
-@specray.command()
+@specray.command(epilog="Presets: " + ", ".join(_preset_names()) + ".")
 @click.argument("preset", default="all", type=click.Choice(["all", *_preset_names()]))
 @click.option("--out-dir", type=click.Path(file_okay=False), help="Where to write weights (default: the "
                                                                   "package's presets/weights).")
 @click.option("--seed", type=int, default=0, show_default=True)
 def train(preset: str, out_dir: str | None, seed: int) -> None:
-    """Reproduce PRESET's weights (or every preset with 'all') with its family's trainer."""
+    """Reproduce PRESET's weights (or every preset with 'all') with its family's trainer.
+
+    PRESET is 'all' or one of the presets listed below.
+    """
     from specray.models.presets import WEIGHTS_DIR
     from specray.models.presets import train as presets_train
 
@@ -168,28 +190,42 @@ def methods(family_name: str | None) -> None:
 
 
 def _require_manifest(run_dir: str, storage_options: dict | None = None) -> None:
+    from specray.runtime.fs import StorageError
     from specray.runtime.store import MANIFEST_NAME, RunStore
 
-    if not RunStore(run_dir, storage_options).is_committed(MANIFEST_NAME):
+    try:
+        finished = RunStore(run_dir, storage_options).is_committed(MANIFEST_NAME)
+    except StorageError as exc:  # e.g. a URL with credentials in it: refused, redacted
+        _fail(f"RUN: {exc}")
+    if not finished:
         _fail(f"RUN: {run_dir!r} has no {MANIFEST_NAME}: not a finished specray run (rerun its job to finish it)")
 
 
-def _reduce(run_dir: str, storage_options: dict | None = None) -> dict:
+def _reduce(run_dir: str, storage_options: dict | None = None, partial: bool = False) -> dict:
     from specray.eval.checks import RunCheckError
     from specray.eval.reduce import reduce_run
+    from specray.eval.shards import ManifestError
+    from specray.runtime.fs import StorageError
 
-    _require_manifest(run_dir, storage_options)
     try:
-        return reduce_run(run_dir, print_table=True, storage_options=storage_options)
-    except RunCheckError as exc:
+        _require_manifest(run_dir, storage_options)
+        report = reduce_run(run_dir, print_table=True, storage_options=storage_options, partial=partial)
+    except (RunCheckError, ManifestError, StorageError) as exc:
         _fail(f"RUN: {run_dir!r} refused before scoring: {exc}")
+    if report.get("partial"):
+        missing = report["partial"]["missing"]
+        click.echo(f"partial report: {len(missing)} shard file(s) not scored (listed in report.md and report.json)",
+                   err=True)
+    return report
 
 
 @specray.command()
 @click.argument("run_dir")
-def reduce(run_dir: str) -> None:
-    """Compute FID and speedup of a finished run and write RUN_DIR/report/."""
-    _reduce(run_dir)
+@click.option("--partial", is_flag=True, help="Score the shard files that pass verification and list the missing "
+                                              "or damaged ones in the report, instead of refusing the run.")
+def reduce(run_dir: str, partial: bool) -> None:
+    """Verify every shard file of a finished run, then compute FID and speedup and write RUN_DIR/report/."""
+    _reduce(run_dir, partial=partial)
 
 
 @specray.command()

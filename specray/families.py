@@ -26,6 +26,7 @@ from specray.methods.diffusion import params as diffusion_params
 from specray.methods.discrete import params as discrete_params
 from specray.methods.params import MethodParams, StrictParams
 from specray.models import draft_formats as _draft_formats
+from specray.models.checkpoints import options as checkpoint_options
 
 # A zero-argument function that imports and returns a torch-side object (a loop, a loader...).
 Lazy = Callable[[], Any]
@@ -80,6 +81,8 @@ class Family:
     load_pair: Lazy
     trainer: Lazy
     formats: Mapping[str, ModelFormat] = field(default_factory=dict)
+    # Free-form facts about the family; "preset_weights": its presets read weights/<name>.safetensors
+    # (the spec refuses a preset whose file is missing).
     metadata: Mapping[str, Any] = field(default_factory=dict)
     # Cross-checks of an arm that need its models and its parameters together, torch-free:
     # check_arm(params, target, draft) -> (field under the arm, message) or None.
@@ -95,6 +98,14 @@ class Family:
     def parse_params(self, method: str, raw: Mapping[str, Any] | None) -> MethodParams:
         """``method``'s validated parameters (raises ParamError naming the bad field)."""
         return self.method(method).params.parse(raw)
+
+    def target_law(self, method: str, params: Mapping[str, Any] | MethodParams | None) -> dict[str, Any] | None:
+        """The ``target_only`` parameters whose law ``method`` with ``params`` claims (None: no claim, or the
+        family has no ``target_only``)."""
+        if "target_only" not in self.methods:
+            return None
+        typed = params if isinstance(params, MethodParams) else self.parse_params(method, params)
+        return typed.target_law(self.methods["target_only"].params)
 
     def model_format(self, name: str) -> ModelFormat:
         try:
@@ -184,7 +195,29 @@ def _diffusion_trainer():
     return train_preset
 
 
+def _llamagen_loader():
+    from specray.models.checkpoints.llamagen import load
+    return load
+
+
+def _mar_loader():
+    from specray.models.checkpoints.mar import load
+    return load
+
+
+def _ddpm_loader():
+    from specray.models.checkpoints.diffusers_models import load_ddpm
+    return load_ddpm
+
+
+def _dit_loader():
+    from specray.models.checkpoints.diffusers_models import load_dit
+    return load_dit
+
+
 # ---- the table -------------------------------------------------------------------------------
+
+_opts = checkpoint_options
 
 _dp, _cp, _fp = discrete_params, continuous_params, diffusion_params
 
@@ -201,7 +234,10 @@ FAMILIES: dict[str, Family] = {
             Method("uniform_rsd", _dp.UniformRSD, _discrete_rule, "COOL-SD with a constant multiplier"),
         ),
         loop=_discrete_loop, load_pair=_discrete_models, trainer=_discrete_trainer,
+        metadata={"preset_weights": True},  # its presets load weights/<name>.safetensors
         formats={
+            "llamagen-c2i": ModelFormat("llamagen-c2i", _opts.LlamaGenOptions, _llamagen_loader,
+                                        "LlamaGen class-conditional GPT (c2i_*.pt) + VQ-16 tokenizer"),
             "eagle-head": ModelFormat("eagle-head", _draft_formats.EagleHeadFile, _head_file_loader,
                                       "an EAGLE draft head written by `specray train` (draft only)"),
             "lantern-llamagen": ModelFormat("lantern-llamagen", _draft_formats.LanternDrafter,
@@ -218,6 +254,9 @@ FAMILIES: dict[str, Family] = {
             Method("cspd", _cp.CSpD, summary="continuous speculative decoding"),
         ),
         loop=_continuous_loop, load_pair=_continuous_models, trainer=_continuous_trainer,
+        metadata={"preset_weights": True},
+        formats={"mar": ModelFormat("mar", _opts.MAROptions, _mar_loader,
+                                    "MAR-B/L/H release (checkpoint-last.pth, EMA weights) + KL-16 VAE")},
     ),
     "diffusion": Family(
         name="diffusion",
@@ -228,6 +267,13 @@ FAMILIES: dict[str, Family] = {
             Method("spec_block", _fp.SpecBlock, summary="speculative sampling, block verification"),
         ),
         loop=_diffusion_loop, load_pair=_diffusion_models, trainer=_diffusion_trainer,
+        metadata={"preset_weights": True},
+        formats={
+            "diffusers-ddpm": ModelFormat("diffusers-ddpm", _opts.DDPMOptions, _ddpm_loader,
+                                          "diffusers UNet2DModel + DDPMScheduler folder (google/ddpm-*)"),
+            "diffusers-dit": ModelFormat("diffusers-dit", _opts.DiTOptions, _dit_loader,
+                                         "diffusers DiT pipeline folder (facebook/DiT-XL-2-256) + AutoencoderKL"),
+        },
     ),
 }
 
@@ -250,6 +296,14 @@ def load_formatted_model(family_name: str, ref: Mapping[str, Any], device: Any) 
     entry = family(family_name).model_format(str(ref.get("format")))
     options = entry.options.parse({k: v for k, v in ref.items() if k != "format"})
     return entry.load()(options, device)
+
+
+def format_options(family_name: str, ref: Any) -> StrictParams | None:
+    """The typed options of a ``{format: ...}`` reference (None for a preset name or a path)."""
+    if not isinstance(ref, Mapping):
+        return None
+    entry = family(family_name).model_format(str(ref.get("format")))
+    return entry.options.parse({k: v for k, v in ref.items() if k != "format"})
 
 
 def resolve(family_name: str, method: str | Method,

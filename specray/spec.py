@@ -30,6 +30,7 @@ from __future__ import annotations
 import difflib
 import hashlib
 import json
+import math
 import os
 import re
 import struct
@@ -37,10 +38,24 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Mapping
 
+from specray.urls import redact_urls
+
 SPEC_FORMAT_VERSION = 1
 CONDITION_KINDS = ("class_labels",)
 DATASET_PARTITIONS = ("date", "run")
 _ARM_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]*")  # used with fullmatch: no trailing newline
+NAME_MAX_CHARS = 128  # names become folder and file names
+
+# Bounds that keep validation and planning cheap whatever a job file says (each error says why).
+JOB_FILE_MAX_BYTES = 1024 * 1024  # a job file is a few KiB; reading is bounded before parsing
+YAML_MAX_NODES = 100_000  # nodes after alias expansion (an alias bomb expands to billions)
+YAML_MAX_DEPTH = 64  # nesting, aliases included
+MAX_SAMPLES = 100_000_000  # per job: the reducer keeps one bit per sample and arm
+MAX_SHARDS = 100_000  # per arm: the manifest lists every (arm, shard) file
+MAX_SHARD_FILES = 1_000_000  # shards x arms: one manifest entry and one existence check each
+MAX_ARMS = 1_000
+MAX_BATCH_SIZE = 65_536
+MAX_SEED = 2**62  # seeds are int64 counters (rng.py); seed + seed_offset must stay below 2**63
 
 
 class SpecError(ValueError):
@@ -48,8 +63,8 @@ class SpecError(ValueError):
 
     def __init__(self, field_path: str, message: str):
         self.field_path = field_path
-        self.message = message
-        super().__init__(f"{field_path}: {message}" if field_path else message)
+        self.message = redact_urls(message)  # a URL's user:password is never shown, whoever built the message
+        super().__init__(f"{field_path}: {self.message}" if field_path else self.message)
 
     def __reduce__(self):  # picklable across processes despite the two-argument constructor
         return (type(self), (self.field_path, self.message))
@@ -228,21 +243,97 @@ def load_job(source: str | os.PathLike | Mapping[str, Any], **overrides: Any) ->
 
 
 def read_job_file(path: Path) -> dict[str, Any]:
-    """The mapping a YAML job file holds (SpecError naming the file and the line when it is not one)."""
+    """The mapping a YAML job file holds (SpecError naming the file, and the line when it is not one).
+
+    Bounded whatever the file holds: at most :data:`JOB_FILE_MAX_BYTES` are read, and the YAML is
+    refused before it is built when its aliases would expand past :data:`YAML_MAX_NODES` nodes or
+    nest deeper than :data:`YAML_MAX_DEPTH` (see :func:`check_yaml_expansion`).
+    """
     import yaml
 
-    if not path.is_file():
-        raise SpecError("", f"job file {str(path)!r} does not exist")
+    where = f"job file {str(path)!r}"
     try:
-        data = yaml.safe_load(path.read_text())
+        if not path.is_file():
+            raise SpecError("", f"{where} does not exist (or is not a regular file)")
+        with open(path, "rb") as handle:
+            raw = handle.read(JOB_FILE_MAX_BYTES + 1)
+    except OSError as exc:
+        raise SpecError("", f"{where} cannot be read: {exc.strerror or type(exc).__name__}") from None
+    if len(raw) > JOB_FILE_MAX_BYTES:
+        raise SpecError("", f"{where} is larger than {JOB_FILE_MAX_BYTES // 1024} KiB; a job file names arms "
+                            "and settings, not data (list conditions or prompts in a file it points to)")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise SpecError("", f"{where} is not UTF-8 text (byte {exc.start})") from None
+    try:
+        check_yaml_expansion(text, where)
+        data = yaml.load(text, Loader=_safe_loader())
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        problem = getattr(exc, "problem", None) or str(exc)
-        raise SpecError("", f"job file {str(path)!r} is not valid YAML{where}: {problem}") from None
+        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise SpecError("", f"{where} is not valid YAML{at}: {problem}") from None
+    except (ValueError, OverflowError, RecursionError) as exc:  # e.g. an integer of 10^5 digits, 2026-13-45
+        if isinstance(exc, SpecError):
+            raise
+        raise SpecError("", f"{where} holds a value YAML cannot build: {str(exc).splitlines()[0][:200]}") from None
     if not isinstance(data, dict):
-        raise SpecError("", f"job file {str(path)!r} must hold a mapping of fields, got {type(data).__name__}")
+        raise SpecError("", f"{where} must hold a mapping of fields, got {type(data).__name__}")
     return data
+
+
+def _safe_loader():
+    import yaml
+
+    return getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml when present: same rules, faster
+
+
+def check_yaml_expansion(text: str, where: str = "job file") -> None:
+    """Refuse YAML whose aliases expand beyond :data:`YAML_MAX_NODES` nodes or :data:`YAML_MAX_DEPTH` levels.
+
+    Walks the parser's events once (no objects are built), keeping for each anchor the size and
+    height its node has when every alias inside it is expanded, so the check costs one pass
+    over the text however large the expansion would be.
+    """
+    import yaml
+
+    sizes: dict[str, tuple[int, int]] = {}  # anchor -> (expanded nodes, expanded height)
+    stack: list[list[Any]] = []  # open collections: [anchor, nodes, height of the tallest child]
+    total = 0
+
+    def add(nodes: int, height: int, anchor: str | None) -> None:
+        nonlocal total
+        total += nodes
+        depth = len(stack) + height
+        if total > YAML_MAX_NODES:
+            raise SpecError("", f"{where} expands to more than {YAML_MAX_NODES} YAML nodes (through anchors "
+                                "and aliases, &name / *name); refusing it before building it")
+        if depth > YAML_MAX_DEPTH:
+            raise SpecError("", f"{where} nests deeper than {YAML_MAX_DEPTH} levels (aliases included)")
+        if stack:
+            stack[-1][1] += nodes
+            stack[-1][2] = max(stack[-1][2], height)
+        if anchor is not None:
+            sizes[anchor] = (nodes, height)
+
+    for event in yaml.parse(text, Loader=_safe_loader()):
+        if isinstance(event, yaml.AliasEvent):
+            if event.anchor not in sizes:
+                raise SpecError("", f"{where}: alias *{event.anchor} refers to no complete anchor (undefined, or "
+                                    "a node that contains the alias itself)")
+            add(*sizes[event.anchor], None)
+        elif isinstance(event, yaml.ScalarEvent):
+            add(1, 1, event.anchor)
+        elif isinstance(event, (yaml.SequenceStartEvent, yaml.MappingStartEvent)):
+            if len(stack) + 1 > YAML_MAX_DEPTH:
+                raise SpecError("", f"{where} nests deeper than {YAML_MAX_DEPTH} levels")
+            stack.append([event.anchor, 1, 0])
+            total += 1
+        elif isinstance(event, (yaml.SequenceEndEvent, yaml.MappingEndEvent)):
+            anchor, nodes, child_height = stack.pop()
+            total -= nodes  # add() counts the finished collection into its parent and the total again
+            add(nodes, child_height + 1, anchor)
 
 
 _TOP_LEVEL = {
@@ -253,31 +344,36 @@ _TOP_LEVEL = {
 
 
 def parse_job(data: Mapping[str, Any]) -> JobSpec:
+    if not isinstance(data, Mapping):
+        raise SpecError("", f"a job must be a mapping of fields, got {type(data).__name__}")
     _reject_unknown("", data, _TOP_LEVEL)
+    _check_plain("", data)
     for required in ("output", "arms"):
         if required not in data:
             raise SpecError(required, "is required")
-    job_id = _string("job_id", data.get("job_id", "specray-job"))
-    if not _ARM_NAME.fullmatch(job_id):
-        raise SpecError("job_id", f"must be letters, digits, '_', '-', '.', got {job_id!r}")
-    seed = _integer("seed", data.get("seed", 0), minimum=0)
+    job_id = _name("job_id", data.get("job_id", "specray-job"))
+    seed = _integer("seed", data.get("seed", 0), minimum=0, maximum=MAX_SEED)
     output = _validate_output("output", data["output"])
-    batch_size = _integer("batch_size", data.get("batch_size", 32), minimum=1)
+    batch_size = _integer("batch_size", data.get("batch_size", 32), minimum=1, maximum=MAX_BATCH_SIZE)
     shard_batches = _shard_batches(data, batch_size)
     actors = data.get("actors", "auto")
     if actors != "auto":
-        actors = _integer("actors", actors, minimum=1, allowed_text='"auto" or an integer >= 1')
-    num_cpus = _number("num_cpus_per_actor", data.get("num_cpus_per_actor", 1), minimum=0.0)
-    num_gpus = _number("num_gpus_per_actor", data.get("num_gpus_per_actor", 0), minimum=0.0)
+        actors = _integer("actors", actors, minimum=1, maximum=100_000, allowed_text='"auto" or an integer >= 1')
+    num_cpus = _number("num_cpus_per_actor", data.get("num_cpus_per_actor", 1), minimum=0.0, maximum=1024.0)
+    num_gpus = _number("num_gpus_per_actor", data.get("num_gpus_per_actor", 0), minimum=0.0, maximum=64.0)
     if num_gpus > 1 and num_gpus != int(num_gpus):
         raise SpecError("num_gpus_per_actor", f"must be a fraction <= 1 or a whole number, got {num_gpus}")
     if num_cpus == 0 and num_gpus == 0:
         raise SpecError("num_cpus_per_actor", "must be > 0 when num_gpus_per_actor is 0")
-    retries = _integer("max_shard_retries", data.get("max_shard_retries", 3), minimum=0)
+    retries = _integer("max_shard_retries", data.get("max_shard_retries", 3), minimum=0, maximum=1000)
 
     arms = _arms("arms", data["arms"])
     conditions = _conditions("conditions", data.get("conditions", {}), arms)
+    _check_sizes(conditions, arms, batch_size, shard_batches, "shard_size" in data)
     eval_spec = _eval("eval", data.get("eval", {}), arms)
+    if eval_spec.fid and conditions.num_samples < 2:
+        raise SpecError("conditions.per_class", f"{conditions.num_samples} sample per arm; FID needs at least 2 "
+                                                "(raise per_class, or set eval.fid: false)")
     storage_options = _storage_options("storage_options", data.get("storage_options"))
     spec = JobSpec(
         job_id=job_id, seed=seed, output=output, conditions=conditions, arms=arms,
@@ -293,11 +389,32 @@ def _shard_batches(data: Mapping[str, Any], batch_size: int) -> int:
     if "shard_batches" in data and "shard_size" in data:
         raise SpecError("shard_size", "give either shard_batches or shard_size, not both")
     if "shard_size" in data:
-        size = _integer("shard_size", data["shard_size"], minimum=1)
+        size = _integer("shard_size", data["shard_size"], minimum=1, maximum=MAX_SAMPLES)
         if size % batch_size:
             raise SpecError("shard_size", f"must be a multiple of batch_size ({batch_size}), got {size}")
         return size // batch_size
-    return _integer("shard_batches", data.get("shard_batches", 4), minimum=1)
+    return _integer("shard_batches", data.get("shard_batches", 4), minimum=1, maximum=MAX_SAMPLES)
+
+
+def _check_sizes(conditions: "ConditionSpec", arms: tuple["ArmSpec", ...], batch_size: int, shard_batches: int,
+                 by_size: bool) -> None:
+    """Refuse jobs too large to plan and verify, before anything is planned (arithmetic only)."""
+    samples = conditions.num_samples
+    if samples > MAX_SAMPLES:
+        raise SpecError("conditions.per_class", f"per_class {conditions.per_class} x {len(conditions.classes or ())} "
+                                                f"classes = {samples} samples, more than the {MAX_SAMPLES} a job may "
+                                                "have (the reducer keeps one bit per sample and arm in memory); "
+                                                "split it into several jobs with different seeds")
+    shards = -(-samples // (batch_size * shard_batches))
+    field_name = "shard_size" if by_size else "shard_batches"
+    if shards > MAX_SHARDS:
+        raise SpecError(field_name, f"{samples} samples in shards of {batch_size * shard_batches} make {shards} "
+                                    f"shards per arm, more than {MAX_SHARDS} (the manifest lists every file); "
+                                    "make shards larger")
+    if shards * len(arms) > MAX_SHARD_FILES:
+        raise SpecError(field_name, f"{shards} shards x {len(arms)} arms = {shards * len(arms)} files, more than "
+                                    f"{MAX_SHARD_FILES} (one manifest entry and one existence check each); "
+                                    "make shards larger or split the arms into several jobs")
 
 
 _ARM_FIELDS = {"name", "family", "method", "target", "draft", "params", "seed_offset"}
@@ -309,6 +426,8 @@ def _arms(path: str, raw: Any) -> tuple[ArmSpec, ...]:
 
     if not isinstance(raw, list) or not raw:
         raise SpecError(path, "must be a non-empty list of arms")
+    if len(raw) > MAX_ARMS:
+        raise SpecError(path, f"has {len(raw)} arms, more than {MAX_ARMS}; split them into several jobs")
     arms: list[ArmSpec] = []
     seen: dict[str, int] = {}
     for i, item in enumerate(raw):
@@ -321,15 +440,13 @@ def _arms(path: str, raw: Any) -> tuple[ArmSpec, ...]:
                 raise SpecError(f"{at}.{required}", "is required")
         family_name = _string(f"{at}.family", item["family"])
         if family_name not in FAMILIES:
-            raise SpecError(f"{at}.family", f"unknown family {family_name!r}; allowed: {', '.join(sorted(FAMILIES))}")
+            raise SpecError(f"{at}.family", f"unknown family {_short(family_name)}; allowed: {', '.join(sorted(FAMILIES))}")
         family = FAMILIES[family_name]
         method = _string(f"{at}.method", item["method"])
         if method not in family.methods:
-            raise SpecError(f"{at}.method", f"unknown method {method!r} for family {family_name!r}; "
+            raise SpecError(f"{at}.method", f"unknown method {_short(method)} for family {family_name!r}; "
                                             f"allowed: {', '.join(family.methods)}")
-        name = _string(f"{at}.name", item.get("name", method))
-        if not _ARM_NAME.fullmatch(name):
-            raise SpecError(f"{at}.name", f"must be letters, digits, '_', '-', '.' (it names a directory), got {name!r}")
+        name = _name(f"{at}.name", item.get("name", method))
         if name in seen:
             raise SpecError(f"{at}.name", f"duplicate arm name {name!r} (also arms[{seen[name]}]); arm names must be unique")
         seen[name] = i
@@ -338,41 +455,103 @@ def _arms(path: str, raw: Any) -> tuple[ArmSpec, ...]:
         if draft is not None:
             draft = _model_ref(f"{at}.draft", draft, family_name)
         try:  # the method's parameter class is the one place its parameters are checked
-            params = family.parse_params(method, item.get("params"))
+            params = family.parse_params(method, _with_official_defaults(family, method, target, item.get("params")))
         except ParamError as exc:
-            raise SpecError(f"{at}.params" + (f".{exc.field}" if exc.field else ""), exc.message) from None
+            raise SpecError(f"{at}.params" + (f".{exc.field}" if exc.field else ""), redact_urls(exc.message)) from None
         if params.needs_draft and draft is None:
             raise SpecError(f"{at}.draft", f"method {method!r} with these params needs a draft model; "
                                            f"name one (a preset of family {family_name!r} or a checkpoint)")
         problem = family.check_arm(params, target, draft) if family.check_arm is not None else None
         if problem is not None:
             raise SpecError(f"{at}.{problem[0]}", problem[1])
-        seed_offset = _integer(f"{at}.seed_offset", item.get("seed_offset", 0), minimum=0)
+        seed_offset = _integer(f"{at}.seed_offset", item.get("seed_offset", 0), minimum=0, maximum=MAX_SEED)
         arms.append(ArmSpec(name=name, family=family_name, method=method, target=target, draft=draft,
                             params=params.to_dict(), seed_offset=seed_offset))
     return tuple(arms)
 
 
+def _with_official_defaults(family: Any, method: str, target: Any, raw: Any) -> Any:
+    """An arm's params with the unset ones taken from its release's official sampler (a target named
+    as ``{format: ...}``; see ``specray.models.checkpoints.options``); the params as given otherwise."""
+    from specray.families import format_options
+
+    options = format_options(family.name, target)
+    official = getattr(options, "sampling_defaults", None)  # optional for a format's options class
+    if official is None or not (raw is None or isinstance(raw, Mapping)):
+        return raw
+    fields = family.method(method).params.model_fields
+    defaults = {k: v for k, v in official().items() if k in fields}
+    return {**defaults, **(raw or {})}
+
+
 def _model_ref(path: str, value: Any, family: str) -> str | dict[str, Any]:
     """A preset name of the arm's family, a checkpoint path, or a ``{format: NAME, ...}`` mapping
     validated by the family's options class for that format."""
-    from specray.models.presets import get_preset
-
     if isinstance(value, Mapping):
         return _formatted_model_ref(path, value, family)
-    name = _string(path, value)
-    if _looks_like_checkpoint(name):
-        if "://" not in name:
-            _check_local_checkpoint(path, name)
+    return _string_model_ref(path, _string(path, value), family)
+
+
+_PICKLE_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")
+
+
+def _string_model_ref(path: str, name: str, family_name: str) -> str:
+    """A string reference that a loader of ``family_name`` can read, checked without reading tensors.
+
+    Strings name a built-in preset (its weights file must be there) or a local ``.safetensors``
+    file whose metadata holds the model's ``config`` (what the families' loaders build the model
+    from). Everything else -- a directory, a pickle (.pt/.pth/.bin/.ckpt), a remote URL -- is read
+    only through a ``{format: NAME, ...}`` mapping, when the family has such a format.
+    """
+    from specray.families import family
+    from specray.models.presets import get_preset
+
+    formats = ", ".join(family(family_name).formats) or "none yet"
+    mapping_hint = f"name it as {{format: NAME, path: ...}} with a format of family {family_name!r} ({formats})"
+    if not _looks_like_checkpoint(name):
+        try:
+            preset = get_preset(name)
+        except KeyError as exc:
+            raise SpecError(path, str(exc.args[0])) from None
+        if preset.family != family_name:
+            raise SpecError(path, f"preset {name!r} belongs to family {preset.family!r}, not {family_name!r}")
+        if preset.role == "feature":
+            raise SpecError(path, f"preset {name!r} is a feature extractor, not a generator")
+        if family(family_name).metadata.get("preset_weights") and not preset.weights_path.is_file():
+            raise SpecError(path, f"preset {name!r} has no weights file at {str(preset.weights_path)!r}; "
+                                  f"run `specray train {name}` to make it")
         return name
+    if "://" in name:
+        from specray.urls import redact_url
+
+        raise SpecError(path, f"checkpoint {redact_url(name)!r} is a URL; checkpoints are read from local files "
+                              f"(copy it to the node first) or {mapping_hint}")
+    file = Path(name).expanduser()
+    suffix = file.suffix.lower()
+    if suffix in _PICKLE_SUFFIXES:
+        raise SpecError(path, f"checkpoint {name!r}: no loader reads a {suffix} file named by a string (it may be "
+                              f"a pickle); give a .safetensors file with a 'config' entry in its metadata, or "
+                              f"{mapping_hint}")
+    if not file.exists():
+        raise SpecError(path, f"checkpoint {name!r} does not exist; give an existing .safetensors file "
+                              "or a built-in preset name")
+    if file.is_dir():
+        raise SpecError(path, f"checkpoint {name!r} is a directory; a string names one .safetensors file. To "
+                              f"read a folder, {mapping_hint}")
+    if suffix != ".safetensors" or not file.is_file():
+        raise SpecError(path, f"checkpoint {name!r} is not a .safetensors file; give one, or {mapping_hint}")
+    problem = safetensors_header_problem(file)
+    if problem:
+        raise SpecError(path, f"checkpoint {name!r} is not a valid safetensors file: {problem}")
+    config = safetensors_metadata(file).get("config")
     try:
-        preset = get_preset(name)
-    except KeyError as exc:
-        raise SpecError(path, str(exc.args[0])) from None
-    if preset.family != family:
-        raise SpecError(path, f"preset {name!r} belongs to family {preset.family!r}, not {family!r}")
-    if preset.role == "feature":
-        raise SpecError(path, f"preset {name!r} is a feature extractor, not a generator")
+        config_ok = isinstance(json.loads(config), dict) if isinstance(config, str) else False
+    except ValueError:
+        config_ok = False
+    if not config_ok:
+        raise SpecError(path, f"checkpoint {name!r} has no JSON 'config' entry in its safetensors metadata; the "
+                              f"loaders of family {family_name!r} build the model from it (specray's trainers "
+                              f"write it), or {mapping_hint}")
     return name
 
 
@@ -390,35 +569,18 @@ def _formatted_model_ref(path: str, value: Mapping[str, Any], family_name: str) 
     try:
         options = entry.options.parse({k: v for k, v in value.items() if k != "format"})
     except ParamError as exc:
-        raise SpecError(f"{path}" + (f".{exc.field}" if exc.field else ""), exc.message) from None
+        raise SpecError(f"{path}" + (f".{exc.field}" if exc.field else ""), redact_urls(exc.message)) from None
     return {"format": entry.name, **options.to_dict()}
 
 
 def _looks_like_checkpoint(name: str) -> bool:
-    return "/" in name or "://" in name or name.endswith((".safetensors", ".pt", ".bin"))
+    return "/" in name or "://" in name or name.lower().endswith((".safetensors", *_PICKLE_SUFFIXES))
 
 
 # A safetensors file: 8-byte little-endian header length, a JSON header, then the tensor bytes.
 _SAFETENSORS_MAX_HEADER = 100 * 1024 * 1024
 _SAFETENSORS_DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "I16": 2, "U16": 2,
                             "F16": 2, "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
-
-
-def _check_local_checkpoint(path: str, name: str) -> None:
-    """A local checkpoint must exist; a .safetensors one must have a sound header covering the file.
-
-    Reads only the header (never the tensors, never a pickle), so a corrupt or truncated file is
-    refused before Ray starts.
-    """
-    file = Path(name).expanduser()
-    if not file.exists():
-        raise SpecError(path, f"checkpoint {name!r} does not exist; give an existing .safetensors file "
-                              "or a built-in preset name")
-    if file.suffix != ".safetensors" or not file.is_file():
-        return  # directories / other formats are checked by the family loader
-    problem = safetensors_header_problem(file)
-    if problem:
-        raise SpecError(path, f"checkpoint {name!r} is not a valid safetensors file: {problem}")
 
 
 def safetensors_header_problem(file: Path) -> str | None:
@@ -489,17 +651,21 @@ def _storage_options(path: str, raw: Any) -> dict[str, Any]:
                                              "_job.json and the manifest); set AWS_ACCESS_KEY_ID / "
                                              "AWS_SECRET_ACCESS_KEY (or AWS_PROFILE) in the environment instead")
     _reject_unknown(path, raw, _STORAGE_OPTION_FIELDS)
+    from specray.urls import CREDENTIALS_BELONG, has_userinfo, redact_url
+
     endpoint = raw.get("endpoint_url")
     if endpoint is not None:
         endpoint = _string(f"{path}.endpoint_url", endpoint)
+        if has_userinfo(endpoint):
+            raise SpecError(f"{path}.endpoint_url", f"{redact_url(endpoint)!r} carries credentials in the URL; "
+                                                    f"they are never read from a job: {CREDENTIALS_BELONG}")
         if not re.match(r"^https?://[^/@\s]+(/.*)?$", endpoint):
-            raise SpecError(f"{path}.endpoint_url", f"must be http(s)://HOST[:PORT] without user:password, "
-                                                    f"got {endpoint.split('@')[-1]!r}")
+            raise SpecError(f"{path}.endpoint_url", f"must be http(s)://HOST[:PORT], got {_short(endpoint)}")
     if raw.get("region_name") is not None:
         _string(f"{path}.region_name", raw["region_name"])
     for flag in ("anon", "requester_pays"):
         if flag in raw and not isinstance(raw[flag], bool):
-            raise SpecError(f"{path}.{flag}", f"must be true or false, got {raw[flag]!r}")
+            raise SpecError(f"{path}.{flag}", f"must be true or false, got {_short(raw[flag])}")
     if "config_kwargs" in raw and not isinstance(raw["config_kwargs"], Mapping):
         raise SpecError(f"{path}.config_kwargs", "must be a mapping (botocore Config arguments)")
     return _plain({k: v for k, v in raw.items() if v is not None})
@@ -519,7 +685,7 @@ def _dataset(path: str, raw: Any, spec: "JobSpec") -> DatasetSpec | None:
     _reject_unknown(path, raw, _DATASET_FIELDS)
     partition = raw.get("partition", "date")
     if partition not in DATASET_PARTITIONS:
-        raise SpecError(f"{path}.partition", f"unknown partition {partition!r}; allowed: {', '.join(DATASET_PARTITIONS)}")
+        raise SpecError(f"{path}.partition", f"unknown partition {_short(partition)}; allowed: {', '.join(DATASET_PARTITIONS)}")
     alias = "date" if partition == "date" else "run_id"
     other = "run_id" if partition == "date" else "date"
     if other in raw:
@@ -538,19 +704,17 @@ def _dataset(path: str, raw: Any, spec: "JobSpec") -> DatasetSpec | None:
             try:
                 value = date.fromisoformat(_string(at, value)).isoformat()
             except ValueError:
-                raise SpecError(at, f'must be "today" or a date YYYY-MM-DD, got {value!r}') from None
+                raise SpecError(at, f'must be "today" or a date YYYY-MM-DD, got {_short(value)}') from None
     else:
         if value in (None, ""):
             value = spec.fingerprint()
-        value = _string(at, value)
-        if not _ARM_NAME.fullmatch(value):
-            raise SpecError(at, f"must be letters, digits, '_', '-', '.' (it names a directory), got {value!r}")
+        value = _name(at, value)
     name = raw.get("name")
     if name is not None:
         name = _string(f"{path}.name", name)
     description = raw.get("description") or ""
     if not isinstance(description, str):
-        raise SpecError(f"{path}.description", f"must be a string, got {description!r}")
+        raise SpecError(f"{path}.description", f"must be a string, got {_short(description)}")
     return DatasetSpec(partition=partition, value=value, name=name, description=description)
 
 
@@ -563,8 +727,8 @@ def _conditions(path: str, raw: Any, arms: tuple[ArmSpec, ...]) -> ConditionSpec
     _reject_unknown(path, raw, _CONDITION_FIELDS)
     kind = _string(f"{path}.kind", raw.get("kind", "class_labels"))
     if kind not in CONDITION_KINDS:
-        raise SpecError(f"{path}.kind", f"unknown condition kind {kind!r}; allowed: {', '.join(CONDITION_KINDS)}")
-    per_class = _integer(f"{path}.per_class", raw.get("per_class", 100), minimum=1)
+        raise SpecError(f"{path}.kind", f"unknown condition kind {_short(kind)}; allowed: {', '.join(CONDITION_KINDS)}")
+    per_class = _integer(f"{path}.per_class", raw.get("per_class", 100), minimum=1, maximum=MAX_SAMPLES)
     num_classes = _num_classes(arms)
     classes_raw = raw.get("classes", "all")
     if classes_raw == "all" or classes_raw is None:
@@ -573,23 +737,33 @@ def _conditions(path: str, raw: Any, arms: tuple[ArmSpec, ...]) -> ConditionSpec
         classes = tuple(range(num_classes))
     else:
         if not isinstance(classes_raw, list) or not classes_raw:
-            raise SpecError(f"{path}.classes", f'must be "all" or a non-empty list of class labels, got {classes_raw!r}')
-        classes = tuple(_integer(f"{path}.classes[{i}]", c, minimum=0) for i, c in enumerate(classes_raw))
+            raise SpecError(f"{path}.classes", f'must be "all" or a non-empty list of class labels, got '
+                                               f'{_short(classes_raw)}')
+        if len(classes_raw) > MAX_SAMPLES:
+            raise SpecError(f"{path}.classes", f"lists {len(classes_raw)} classes, more than {MAX_SAMPLES}")
+        classes = tuple(_integer(f"{path}.classes[{i}]", c, minimum=0, maximum=MAX_SAMPLES)
+                        for i, c in enumerate(classes_raw))
+        seen: dict[int, int] = {}
         for i, label in enumerate(classes):
             if num_classes is not None and label >= num_classes:
                 raise SpecError(f"{path}.classes[{i}]", f"class label {label} out of range; allowed: 0..{num_classes - 1}")
-            if label in classes[:i]:
+            if label in seen:
                 raise SpecError(f"{path}.classes[{i}]", f"class label {label} listed twice")
+            seen[label] = i
     return ConditionSpec(kind=kind, per_class=per_class, classes=classes)
 
 
 def _num_classes(arms: tuple[ArmSpec, ...]) -> int | None:
-    """The smallest class count among the arms' target (and draft) presets."""
+    """The smallest class count among the arms' target (and draft) presets and release checkpoints."""
+    from specray.families import format_options
     from specray.models.presets import get_preset
 
     counts = []
     for arm in arms:
         for ref in (arm.target, arm.draft):
+            known = getattr(format_options(arm.family, ref), "num_classes", None)  # optional, as above
+            if known is not None:
+                counts.append(int(known))
             if not isinstance(ref, str) or _looks_like_checkpoint(ref):
                 continue
             n = get_preset(ref).config.get("num_classes")
@@ -609,14 +783,14 @@ def _eval(path: str, raw: Any, arms: tuple[ArmSpec, ...]) -> EvalSpec:
     _reject_unknown(path, raw, _EVAL_FIELDS)
     fid = raw.get("fid", True)
     if not isinstance(fid, bool):
-        raise SpecError(f"{path}.fid", f"must be true or false, got {fid!r}")
-    reference = _string(f"{path}.reference", raw.get("reference", "digits"))
+        raise SpecError(f"{path}.fid", f"must be true or false, got {_short(fid)}")
+    reference = _reference(f"{path}.reference", raw.get("reference", "digits"))
     names = [a.name for a in arms]
     baseline = raw.get("baseline")
     if baseline is None:
         baseline = next((a.name for a in arms if a.method == "target_only"), None)
     elif baseline not in names:
-        raise SpecError(f"{path}.baseline", f"unknown arm {baseline!r}; allowed: {', '.join(names)}")
+        raise SpecError(f"{path}.baseline", f"unknown arm {_short(baseline)}; allowed: {', '.join(names)}")
     options = raw.get("options") or {}
     if not isinstance(options, Mapping):
         raise SpecError(f"{path}.options", "must be a mapping")
@@ -626,56 +800,126 @@ def _eval(path: str, raw: Any, arms: tuple[ArmSpec, ...]) -> EvalSpec:
     try:  # checked now, not after generation
         ReduceOptions.parse(options)
     except ParamError as exc:
-        raise SpecError(f"{path}.options" + (f".{exc.field}" if exc.field else ""), exc.message) from None
+        raise SpecError(f"{path}.options" + (f".{exc.field}" if exc.field else ""), redact_urls(exc.message)) from None
     return EvalSpec(fid=fid, reference=reference, baseline=baseline, options=_plain(options))
+
+
+def _reference(path: str, value: Any) -> str:
+    """FID reference statistics the reducer can read (checked now, not after generation)."""
+    from specray.eval.options import check_reference
+
+    reference = _string(path, value)
+    try:
+        check_reference(reference)
+    except ValueError as exc:
+        raise SpecError(path, str(exc)) from None
+    return reference
 
 
 # ---------------------------------------------------------------- field checks
 
 
 def _validate_output(path: str, value: Any) -> str:
+    from specray.urls import CREDENTIALS_BELONG, has_userinfo, redact_url
+
     output = _string(path, value)
     if "://" in output:
         scheme = output.split("://", 1)[0]
         if scheme not in ("s3", "file", "memory"):
-            raise SpecError(path, f"unsupported URI scheme {scheme!r}; allowed: a local path, file://, s3://")
+            raise SpecError(path, f"unsupported URI scheme {_short(scheme)}; allowed: a local path, file://, s3://")
+        if has_userinfo(output):
+            raise SpecError(path, f"{redact_url(output)!r} carries credentials in the URL; they are never read "
+                                  f"from a job (it is stored with the run): {CREDENTIALS_BELONG}")
         return output
+    if "\0" in output:
+        raise SpecError(path, "a local path cannot contain a NUL character")
     # Writable without writing anything: the nearest existing ancestor must be a writable directory.
     probe = Path(output).absolute()
     while not probe.exists():
         probe = probe.parent
     if not probe.is_dir():
-        raise SpecError(path, f"{output!r} cannot be created: {str(probe)!r} is a file")
+        raise SpecError(path, f"{_short(output)} cannot be created: {str(probe)!r} is a file")
     if not os.access(probe, os.W_OK | os.X_OK):
-        raise SpecError(path, f"{output!r} cannot be written: no write permission on {str(probe)!r}")
+        raise SpecError(path, f"{_short(output)} cannot be written: no write permission on {str(probe)!r}")
     return output
 
 
 def _reject_unknown(path: str, data: Mapping[str, Any], allowed: set[str]) -> None:
     for key in data:
         if key not in allowed:
-            at = f"{path}.{key}" if path else str(key)
+            name = str(key) if str(key).strip() else repr(key)  # an empty key still gets a visible name
+            at = f"{path}.{name}" if path else name
             close = difflib.get_close_matches(str(key), sorted(allowed), n=1, cutoff=0.6)
             hint = f"; did you mean {close[0]!r}?" if close else ""
             raise SpecError(at, f"unknown field; allowed: {', '.join(sorted(allowed))}{hint}")
 
 
+def _short(value: Any, limit: int = 80) -> str:
+    from specray.urls import safe_repr
+
+    return safe_repr(value, limit)
+
+
 def _string(path: str, value: Any) -> str:
     if not isinstance(value, str) or not value:
-        raise SpecError(path, f"must be a non-empty string, got {value!r}")
+        raise SpecError(path, f"must be a non-empty string, got {_short(value)}")
     return value
 
 
-def _integer(path: str, value: Any, *, minimum: int, allowed_text: str | None = None) -> int:
+def _name(path: str, value: Any) -> str:
+    """A name that becomes a folder or file name: letters, digits, '_', '-', '.', matched in full."""
+    name = _string(path, value)
+    if len(name) > NAME_MAX_CHARS or not _ARM_NAME.fullmatch(name):
+        raise SpecError(path, f"must be 1-{NAME_MAX_CHARS} letters, digits, '_', '-', '.' starting with a letter "
+                              f"or digit (it names a directory), got {_short(name)}")
+    return name
+
+
+def _integer(path: str, value: Any, *, minimum: int, maximum: int | None = None,
+             allowed_text: str | None = None) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise SpecError(path, f"must be {allowed_text or f'an integer >= {minimum}'}, got {value!r}")
+        raise SpecError(path, f"must be {allowed_text or f'an integer >= {minimum}'}, got {_short(value)}")
+    if maximum is not None and value > maximum:
+        raise SpecError(path, f"must be at most {maximum}, got {_short(value)}")
     return int(value)
 
 
-def _number(path: str, value: Any, *, minimum: float) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < minimum:
-        raise SpecError(path, f"must be a number >= {minimum}, got {value!r}")
+def _number(path: str, value: Any, *, minimum: float, maximum: float) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < minimum \
+            or (isinstance(value, float) and math.isnan(value)):
+        raise SpecError(path, f"must be a number >= {minimum}, got {_short(value)}")
+    if value > maximum:
+        raise SpecError(path, f"must be at most {maximum}, got {_short(value)}")
     return float(value)
+
+
+_PLAIN_TYPES = (str, int, float, bool, type(None))
+
+
+def _check_plain(path: str, value: Any, depth: int = 0) -> None:
+    """Job data is JSON-like: mappings with string keys, lists, strings, numbers, booleans, null.
+
+    YAML also builds sets, binary and timestamps; they are refused here by field (dates only where a
+    date is meant), so nothing later meets a value it cannot store or hash.
+    """
+    from datetime import date
+
+    if depth > YAML_MAX_DEPTH:
+        raise SpecError(path, f"nests deeper than {YAML_MAX_DEPTH} levels")
+    if isinstance(value, Mapping):
+        for key, item in value.items():
+            if not isinstance(key, str):
+                at = f"{path}.{_short(key)}" if path else _short(key)
+                raise SpecError(at, f"a key of type {type(key).__name__}; keys must be strings (field names)")
+            _check_plain(f"{path}.{key}" if path else key, item, depth + 1)
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            _check_plain(f"{path}[{i}]", item, depth + 1)
+    elif isinstance(value, date) and path in ("dataset.date", "dataset.value"):
+        return
+    elif not isinstance(value, _PLAIN_TYPES):
+        raise SpecError(path, f"must be a string, number, boolean, list or mapping, got a "
+                              f"{type(value).__name__} ({_short(value)})")
 
 
 def _plain(value: Any) -> Any:

@@ -11,7 +11,9 @@ from typing import Any
 import numpy as np
 
 from specray.runtime.images import encode_png
-from specray.runtime.store import RunStore, rows_to_table
+from specray.runtime.store import RunStore, ShardIdentity, rows_to_table
+
+SYNTHETIC_FINGERPRINT = "5ynthet1c0000000"  # the job fingerprint the synthetic files and manifest share
 
 
 @dataclass
@@ -26,6 +28,7 @@ class SyntheticArm:
     accepted_per_position: list[int] = field(default_factory=list)  # per sample; [] = not speculative
     spec_steps: int = 0
     timeline: dict[str, list[float]] | None = None  # extra_stats.acceptance_timeline per sample
+    extra: dict[str, Any] = field(default_factory=dict)  # more extra_stats per sample
 
 
 def digits_pool() -> np.ndarray:
@@ -60,7 +63,7 @@ def write_run(root: str, arms: list[SyntheticArm], *, per_class: int = 20, class
             accepted = sum(app)
             tokens = 64
             target_calls = rounds if rounds else tokens
-            extra = {"acceptance_timeline": arm.timeline} if arm.timeline else {}
+            extra = {**arm.extra, **({"acceptance_timeline": arm.timeline} if arm.timeline else {})}
             rows.append({
                 "job_id": "synthetic", "arm": arm.name, "method": arm.method, "family": arm.family,
                 "target": "t", "draft": "d", "sample_id": sid,
@@ -91,12 +94,12 @@ def write_run(root: str, arms: list[SyntheticArm], *, per_class: int = 20, class
                 import pyarrow as pa
 
                 table = table.append_column("actor", pa.array([f"actor-{k % 2}"] * len(part), pa.string()))
-            path = f"samples/arm={arm.name}/shard-{k:05d}-of-{num_shards:05d}.parquet"
-            committed = store.write_shard(path, table)
+            path = f"samples/{arm.name}/shard-{k:05d}-of-{num_shards:05d}.parquet"
+            committed = store.write_shard(path, table, ShardIdentity(SYNTHETIC_FINGERPRINT, arm.name, k, num_shards))
             shards.append({"arm": arm.name, "shard": k, "num_shards": num_shards, "first_sample_id": lo,
                            **committed.to_dict()})
     manifest = {
-        "format": 1, "job_id": "synthetic",
+        "format": 1, "job_id": "synthetic", "fingerprint": SYNTHETIC_FINGERPRINT,
         "spec": {"job_id": "synthetic", "seed": seed, "batch_size": batch_size,
                  "conditions": {"kind": "class_labels", "per_class": per_class, "classes": list(classes)},
                  "eval": {"fid": True, "reference": reference, "baseline": None,
@@ -124,3 +127,22 @@ def standard_arms() -> list[SyntheticArm]:
         SyntheticArm("noisy", method="lantern", images=noise, params={"gamma": 4}, seconds_per_sample=0.002,
                      accepted_per_position=[14, 12, 10, 8], spec_steps=13),
     ]
+
+
+def demo_arms() -> list[SyntheticArm]:
+    """The built-in demo's arms (names, families, methods, params, seed offsets from specray/demo.yaml) over
+    digits images, with per-family speeds and acceptance counters; CSpD arms carry resampling counters."""
+    from specray.spec import builtin_demo_job
+
+    per_sample = {"discrete_ar": 0.01, "continuous_ar": 0.02, "diffusion": 0.05}  # each family's target cost
+    arms = []
+    for i, arm in enumerate(builtin_demo_job().arms):
+        speculative = arm.method != "target_only"
+        base = per_sample[arm.family]
+        params = {**arm.params, **({"seed_offset": arm.seed_offset} if arm.seed_offset else {})}
+        extra = {"resampled_tokens": 10, "resample_cap_hits": 1 + i % 2} if arm.method == "cspd" else {}
+        arms.append(SyntheticArm(arm.name, method=arm.method, family=arm.family, params=params,
+                                 image_offset=97 * i, seconds_per_sample=base / (1.0 + 0.1 * i) if speculative else base,
+                                 accepted_per_position=[6, 4, 2, 1] if speculative else [],
+                                 spec_steps=8 if speculative else 0, extra=extra))
+    return arms

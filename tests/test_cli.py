@@ -80,7 +80,7 @@ def test_validate_prints_the_plan(fake_family, tmp_path):  # noqa: F811
 def test_run_then_reduce(ray_local, tmp_path, monkeypatch):  # noqa: F811
     calls = []
     reducer = types.ModuleType("specray.eval.reduce")
-    reducer.reduce_run = lambda run_dir, *, print_table=True, storage_options=None: calls.append(
+    reducer.reduce_run = lambda run_dir, *, print_table=True, storage_options=None, partial=False: calls.append(
         (run_dir, print_table)) or {}
     monkeypatch.setitem(sys.modules, "specray.eval.reduce", reducer)
 

@@ -25,7 +25,8 @@ from specray.eval.fid import (
 from specray.eval.reduce import reduce_run
 from specray.eval.speedup import BatchTimes, speedup_over_baseline
 from specray.runtime.images import encode_png
-from specray.runtime.store import SAMPLE_SCHEMA, RunStore
+from specray.runtime.store import SAMPLE_SCHEMA, RunStore, ShardIdentity
+from tests.eval_synthetic import SYNTHETIC_FINGERPRINT
 
 torch.set_num_threads(1)
 
@@ -229,15 +230,15 @@ def write_synthetic_run(root: str) -> None:
     for arm, (method, images, walls, spec_stats) in arms.items():
         for k in range(N_SAMPLES // shard_size):
             ids = range(k * shard_size, (k + 1) * shard_size)
-            path = f"samples/arm={arm}/shard-{k:05d}-of-00002.parquet"
+            path = f"samples/{arm}/shard-{k:05d}-of-00002.parquet"
             # Shards as written before rows named their actor (no actor column): pairs by (shard, batch).
             rows = _rows(arm, method, images, ids, walls, spec_stats)
             table = pa.Table.from_pylist(rows, schema=SAMPLE_SCHEMA.remove(SAMPLE_SCHEMA.get_field_index("actor")))
-            committed = store.write_shard(path, table)
+            committed = store.write_shard(path, table, ShardIdentity(SYNTHETIC_FINGERPRINT, arm, k, 2))
             shards.append({"arm": arm, "shard": k, "num_shards": 2, "first_sample_id": ids[0], **committed.to_dict()})
-    store.commit_bytes("samples/arm=sd/shard-00009-of-00002.parquet", b"not listed, not parquet")
+    store.commit_bytes("samples/sd/shard-00009-of-00002.parquet", b"not listed, not parquet")
     manifest = {
-        "format": 1, "job_id": "synthetic",
+        "format": 1, "job_id": "synthetic", "fingerprint": SYNTHETIC_FINGERPRINT,
         "spec": {"batch_size": BATCH, "eval": {"fid": True, "reference": "digits", "baseline": None,
                                                "options": {"bootstrap_replicates": 100}}},
         "layout": {"num_samples": N_SAMPLES, "batch_size": BATCH, "shard_batches": SHARD_BATCHES, "num_shards": 2},

@@ -19,10 +19,9 @@ import pyarrow.parquet as pq
 import pytest
 import ray
 import torch
-
-from specray import rng
 from pydantic import model_validator
 
+from specray import rng
 from specray.families import (
     Method,
     ModelFormat,
@@ -105,7 +104,7 @@ def test_the_runtime_runs_it_and_the_reducer_reads_its_flag(toy, tmp_path):
 
     spec = load_job(_job(tmp_path / "run", gamma=3))
     paths = os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))
-    ray.init(num_cpus=1, include_dashboard=False, configure_logging=False,
+    ray.init(address="local", num_cpus=1, include_dashboard=False, configure_logging=False,
              runtime_env={"env_vars": {"PYTHONPATH": paths, "OMP_NUM_THREADS": "1"},
                           "worker_process_setup_hook": f"{__name__}.install"})
     try:
@@ -113,7 +112,7 @@ def test_the_runtime_runs_it_and_the_reducer_reads_its_flag(toy, tmp_path):
     finally:
         ray.shutdown()
     assert result.manifest["num_rows"] == 20
-    rows = pq.read_table(tmp_path / "run" / "samples" / "arm=toy").to_pylist()
+    rows = pq.read_table(tmp_path / "run" / "samples" / "toy").to_pylist()
     assert len(rows) == 10 and {r["method"] for r in rows} == {"reject_all"}
     for row in rows:  # every draft rejected: one target call per token after the first
         assert row["num_accepted_draft_tokens"] == 0 and row["num_draft_tokens"] > 0

@@ -26,7 +26,7 @@ def ray_gpus():
     import ray
 
     families.install()
-    ray.init(num_cpus=2, num_gpus=2, include_dashboard=False, configure_logging=False,
+    ray.init(address="local", num_cpus=2, num_gpus=2, include_dashboard=False, configure_logging=False,
              runtime_env=families.ray_runtime_env())
     yield ray
     ray.shutdown()

@@ -28,7 +28,7 @@ from specray.methods.params import Gamma, MethodParams
 from specray.models.pair import ModelPair
 from specray.runtime.images import encode_png
 from specray.runtime.plan import ShardPlan, shard_relpath
-from specray.runtime.store import SAMPLE_SCHEMA, TEMP_MARKER
+from specray.runtime.store import SAMPLE_SCHEMA, TEMP_MARKER, TEMP_TAG_PREFIX
 from specray.spec import SpecError, load_job
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -57,7 +57,13 @@ class Flaky(MethodParams):
     times: int = 1
 
 
+UNLOADABLE = "fake-unloadable"  # a preset whose loader refuses it, the same way on every actor
+
+
 def load_pair(target: str, draft: str | None, device: torch.device) -> ModelPair:
+    if UNLOADABLE in (target, draft):
+        raise ValueError(f"{UNLOADABLE}: the loader refuses this checkpoint (unsupported key layout)")
+
     def model(seed: int) -> torch.nn.Module:
         torch.manual_seed(seed)
         return torch.nn.Linear(NUM_CLASSES, IMAGE_SIDE * IMAGE_SIDE * LEVELS).to(device)
@@ -116,7 +122,7 @@ def install_fake_family() -> None:
 
     _load_all()
     register_family(FAKE)
-    for name, role in (("fake-target", "target"), ("fake-draft", "draft")):
+    for name, role in (("fake-target", "target"), ("fake-draft", "draft"), (UNLOADABLE, "target")):
         PRESETS.setdefault(name, Preset(name, FAKE_FAMILY, role, {"num_classes": NUM_CLASSES}))
 
 
@@ -124,8 +130,8 @@ def uninstall_fake_family() -> None:
     from specray.models.presets import PRESETS
 
     unregister_family(FAKE_FAMILY)
-    PRESETS.pop("fake-target", None)
-    PRESETS.pop("fake-draft", None)
+    for name in ("fake-target", "fake-draft", UNLOADABLE):
+        PRESETS.pop(name, None)
 
 
 def fake_job(output: Path, **fields) -> dict:
@@ -165,7 +171,7 @@ def fake_family():
 def ray_local(fake_family):
     import ray
 
-    ray.init(num_cpus=2, include_dashboard=False, configure_logging=False, runtime_env={
+    ray.init(address="local", num_cpus=2, include_dashboard=False, configure_logging=False, runtime_env={
         "env_vars": {"PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])),
                      "OMP_NUM_THREADS": "1"},
         "worker_process_setup_hook": f"{__name__}.install_fake_family",
@@ -181,7 +187,6 @@ def run(job: dict, **kwargs):
 
 
 def images_by_key(output: Path) -> dict[tuple[str, int], bytes]:
-    # The files carry the arm column themselves, so the arm=... directories are not read as partitions;
     # '.'-prefixed temp files would be skipped by the dataset reader.
     table = pq.read_table(output / "samples", partitioning=None)
     rows = table.select(["arm", "sample_id", "image"]).to_pylist()
@@ -217,7 +222,7 @@ def test_plan_covers_every_sample_once_in_batch_aligned_shards(num_samples, batc
 
 
 def test_shard_names_are_deterministic_and_sortable():
-    assert shard_relpath("sd", 3, 12) == "samples/arm=sd/shard-00003-of-00012.parquet"
+    assert shard_relpath("sd", 3, 12) == "samples/sd/shard-00003-of-00012.parquet"
     names = [shard_relpath("a", k, 120000) for k in (2, 10, 100000)]
     assert names == sorted(names)
 
@@ -277,6 +282,44 @@ def test_end_to_end_writes_all_shards_and_manifest(reference_run):
 
 
 @pytest.mark.slow
+def test_samples_folder_opens_in_one_call_with_every_reader(reference_run, tmp_path):
+    """pandas, pyarrow.dataset, duckdb and Hugging Face datasets each read the whole run in one call."""
+    import datasets
+    import duckdb
+    import pandas as pd
+    import pyarrow.dataset as ds
+
+    out, _ = reference_run
+    samples = str(out / "samples")
+    expected = sorted((arm, sid) for arm in ("target_only", "fake_sd") for sid in range(24))
+    frames = {
+        "pandas": pd.read_parquet(samples),
+        "pyarrow.parquet": pq.read_table(samples).to_pandas(),
+        "pyarrow.dataset": ds.dataset(samples).to_table().to_pandas(),
+        "pyarrow.dataset hive": ds.dataset(samples, partitioning="hive").to_table().to_pandas(),
+        "duckdb": duckdb.sql(f"select * from read_parquet('{samples}/*/*.parquet')").df(),
+        "datasets": datasets.load_dataset("parquet", data_dir=samples, split="train",
+                                          cache_dir=str(tmp_path / "hf-cache")).to_pandas(),
+    }
+    for reader, frame in frames.items():
+        assert list(frame.columns) == SAMPLE_SCHEMA.names, reader
+        assert sorted(zip(frame["arm"], frame["sample_id"])) == expected, reader
+        assert frame["arm"].map(type).eq(str).all(), reader  # a plain string column, no partition key beside it
+
+
+def test_resume_refuses_an_output_with_the_old_arm_folders(fake_family, tmp_path):
+    from specray.runtime.coordinator import check_resume, job_record
+    from specray.runtime.store import RunStore
+
+    out = tmp_path / "run"
+    spec = load_job(fake_job(out))
+    store = RunStore(str(out))
+    store.write_json("_job.json", job_record(spec, ShardPlan.of(spec)))
+    store.commit_bytes("samples/arm=target_only/shard-00000-of-00003.parquet", b"old layout")
+    with pytest.raises(SpecError, match=r"^output: .*samples/arm=<arm>/ folders .*Choose another output"):
+        check_resume(spec, ShardPlan.of(spec), store)
+
+
 def test_images_identical_across_reruns_actor_counts_and_shard_sizes(reference_run, tmp_path):
     expected = images_by_key(reference_run[0])
     variants = {
@@ -301,7 +344,7 @@ def test_compare_samples_finds_identical_runs_and_a_changed_image(reference_run,
     assert "fake_sd: 24 samples, images differ: 0, acceptance statistics differ: 0" in same.output
     changed = tmp_path / "changed"
     shutil.copytree(reference_run[0], changed)
-    shard = sorted((changed / "samples" / "arm=fake_sd").glob("*.parquet"))[0]
+    shard = sorted((changed / "samples" / "fake_sd").glob("*.parquet"))[0]
     table = pq.read_table(shard)
     images = table.column("image").to_pylist()
     images[0] = images[1]
@@ -330,6 +373,22 @@ def test_in_process_worker_matches_actors_and_seed_matters(reference_run, tmp_pa
     assert sum(other[k] != expected[k] for k in expected) > len(expected) // 2
 
 
+def test_progress_moves_once_per_batch_of_every_arm(ray_local, tmp_path, capsys, monkeypatch):
+    """Not a terminal: plain lines; with no minimum interval there is one per batch of each arm (4 rows)."""
+    import re
+
+    monkeypatch.setenv("SPECRAY_PROGRESS_INTERVAL_S", "0")
+    from specray.runtime.coordinator import run_job
+
+    run_job(load_job(fake_job(tmp_path / "run", actors=2, shard_batches=3)), show_progress=True)
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("progress: ")]
+    done = [int(re.match(r"progress: (\d+)/48 samples", line).group(1)) for line in lines]
+    assert done[0] == 0 and done[-1] == 48
+    moved = sorted(set(done))
+    assert moved == list(range(0, 49, 4)), done  # every batch of every arm shows: 12 steps of 4 rows
+    assert "\r" not in "".join(lines)
+
+
 def test_resume_recomputes_only_the_missing_shard(reference_run, tmp_path):
     out = tmp_path / "run"
     shutil.copytree(reference_run[0], out)
@@ -337,7 +396,12 @@ def test_resume_recomputes_only_the_missing_shard(reference_run, tmp_path):
     missing = out / shard_relpath("fake_sd", 1, 3)
     missing.unlink()
     (out / "_manifest.json").unlink()  # as after a crash: the manifest is written last
-    (out / "samples" / "arm=fake_sd" / f".shard-00001-of-00003.parquet{TEMP_MARKER}dead").write_bytes(b"partial")
+    # A writer of this job killed mid-commit leaves a temp named with the job's fingerprint; another
+    # program's dot-file that merely looks like a temp is not the run's to remove.
+    tag = f"{TEMP_TAG_PREFIX}{load_job(fake_job(out)).fingerprint()}"
+    (out / "samples" / "fake_sd" / f".shard-00001-of-00003.parquet{TEMP_MARKER}{tag}-{'0' * 32}").write_bytes(b"partial")
+    foreign = out / "samples" / "fake_sd" / f".notes{TEMP_MARKER}dead"
+    foreign.write_bytes(b"not ours")
     untouched = {p: p.stat().st_mtime_ns for p in (out / "samples").rglob("*.parquet")}
 
     result = run(fake_job(out))
@@ -346,7 +410,8 @@ def test_resume_recomputes_only_the_missing_shard(reference_run, tmp_path):
     assert missing.exists() and (out / "_manifest.json").exists()
     assert {p: p.stat().st_mtime_ns for p in untouched} == untouched
     assert images_by_key(out) == before
-    assert not [f for f in all_files(out) if TEMP_MARKER in f]  # the crashed writer's temp file is gone
+    assert [f for f in all_files(out) if TEMP_MARKER in f] == [str(foreign.relative_to(out))]  # ours is gone
+    foreign.unlink()
 
     again = run(fake_job(out))  # a complete run: nothing to do, manifest rewritten
     assert again.tasks_run == 0 and again.manifest["num_rows"] == 48

@@ -72,7 +72,7 @@ sys.path.insert(0, {root!r})
 import ray
 from tests import runtime_families as families
 families.install()
-ray.init(num_cpus=2, include_dashboard=False, configure_logging=False, runtime_env=families.ray_runtime_env())
+ray.init(address="local", num_cpus=2, include_dashboard=False, configure_logging=False, runtime_env=families.ray_runtime_env())
 from specray.runtime.coordinator import run_job
 from specray.spec import load_job
 result = run_job(load_job(json.loads({job!r})), show_progress=False)

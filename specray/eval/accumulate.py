@@ -41,6 +41,8 @@ class AcceptanceTotals:
     # sequence / denoising timeline), when the loop stores it
     timeline_accepted: list[float] = field(default_factory=list)
     timeline_drafted: list[float] = field(default_factory=list)
+    # numeric extra_stats summed over samples (e.g. CSpD's resampled_tokens and resample_cap_hits)
+    extra_sums: dict[str, float] = field(default_factory=dict)
 
     def update(self, batch: pa.RecordBatch) -> None:
         column = lambda name: np.asarray(batch.column(name).to_numpy(zero_copy_only=False))  # noqa: E731
@@ -60,12 +62,18 @@ class AcceptanceTotals:
                 self.accepted_per_position[i] += int(value)
         if "extra_stats" in batch.schema.names:
             for text in batch.column("extra_stats").to_pylist():
-                self._add_timeline(text)
+                self._add_extra(text)
 
-    def _add_timeline(self, text: str | None) -> None:
-        if not text or "acceptance_timeline" not in text:
+    def _add_extra(self, text: str | None) -> None:
+        if not text or text == "{}":
             return
-        timeline = json.loads(text).get("acceptance_timeline") or {}
+        extra = json.loads(text)
+        for key, value in extra.items():
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                self.extra_sums[key] = self.extra_sums.get(key, 0) + value
+        timeline = extra.get("acceptance_timeline") or {}
+        if not timeline:
+            return
         for name, total in (("accepted", self.timeline_accepted), ("drafted", self.timeline_drafted)):
             values = timeline.get(name) or []
             if len(values) > len(total):

@@ -94,21 +94,47 @@ def replica_key(arm_info: dict[str, Any]) -> str:
                        arm_info.get("method"), params], sort_keys=True, default=str)
 
 
-def check_run(store: RunStore, manifest: RunManifest) -> dict[str, ArmCheckSummary]:
-    """Run every check on every arm; raise :class:`RunCheckError` at the first failure."""
+MIN_SAMPLES_PER_ARM = 2  # a covariance (FID) needs two samples
+
+
+def check_run(store: RunStore, manifest: RunManifest, *, partial: bool = False) -> dict[str, ArmCheckSummary]:
+    """Run every check on every arm; raise :class:`RunCheckError` at the first failure.
+
+    ``partial``: the manifest lists only some shards of each arm (a partial report); each arm must
+    then hold exactly the samples of its listed shards, and the class balance is not checked.
+    """
     expected = expected_samples(manifest)
     if expected.classes is not None and expected.per_class is not None:
         if expected.per_class * len(expected.classes) != expected.num_samples:
             raise RunCheckError("labels", f"spec asks for per_class={expected.per_class} x {len(expected.classes)} "
                                           f"classes = {expected.per_class * len(expected.classes)} samples but the "
                                           f"layout has num_samples={expected.num_samples}")
-    summaries = {arm: _check_arm(store, manifest, arm, expected) for arm in manifest.arm_names}
+    if expected.num_samples < MIN_SAMPLES_PER_ARM:
+        raise RunCheckError("size", f"the run has {expected.num_samples} sample per arm; FID and its bootstrap need "
+                                    f"at least {MIN_SAMPLES_PER_ARM} (raise conditions.per_class)")
+    summaries = {arm: _check_arm(store, manifest, arm, expected, partial) for arm in manifest.arm_names}
     _check_replica_seeds(manifest, summaries)
     return summaries
 
 
-def _check_arm(store: RunStore, manifest: RunManifest, arm: str, expected: ExpectedSamples) -> ArmCheckSummary:
+def _present_samples(manifest: RunManifest, arm: str, n: int) -> np.ndarray:
+    """Which sample_ids the arm's listed shards hold (shard k: ids k*S .. (k+1)*S-1, S the shard size)."""
+    layout = manifest.raw.get("layout") or {}
+    size = int(layout.get("batch_size") or 0) * int(layout.get("shard_batches") or 0)
+    if size <= 0:
+        raise RunCheckError("count", "the manifest's layout gives no batch_size x shard_batches; a partial "
+                                     "run's expected samples are unknown")
+    present = np.zeros(n, dtype=bool)
+    for entry in manifest.shards:
+        if entry.arm == arm:
+            present[entry.shard * size:(entry.shard + 1) * size] = True
+    return present
+
+
+def _check_arm(store: RunStore, manifest: RunManifest, arm: str, expected: ExpectedSamples,
+               partial: bool = False) -> ArmCheckSummary:
     n = expected.num_samples
+    present = _present_samples(manifest, arm, n) if partial else None
     seen = np.zeros(n, dtype=bool)
     class_counts: dict[int, int] = {}
     seeds: set[int] = set()
@@ -152,12 +178,18 @@ def _check_arm(store: RunStore, manifest: RunManifest, arm: str, expected: Expec
                                                           f"{int(wanted[i])} (classes[sample_id % {len(classes)}])")
                     for label, count in zip(*np.unique(labels, return_counts=True)):
                         class_counts[int(label)] = class_counts.get(int(label), 0) + int(count)
-    if rows != n:
+    if present is not None:
+        if (seen != present).any():
+            odd = np.flatnonzero(seen != present)[:5].tolist()
+            raise RunCheckError("count", f"arm {arm!r}: its listed shards should hold {int(present.sum())} samples, "
+                                         f"found {rows} (sample_ids out of place include {odd})")
+    elif rows != n:
         missing = np.flatnonzero(~seen)[:5].tolist()
         raise RunCheckError("count", f"arm {arm!r} has {rows} samples, the spec asked for N={n}"
                                      + (f" (missing sample_ids include {missing})" if missing else ""))
     _check_seeds(arm, manifest, expected, seeds)
-    _check_balance(arm, expected, class_counts)
+    if present is None:
+        _check_balance(arm, expected, class_counts)
     return ArmCheckSummary(arm, rows, sorted(seeds), class_counts)
 
 

@@ -109,7 +109,8 @@ def compare_markdown(comparison: dict[str, Any]) -> str:
         cells.append(", ".join(changed) if changed else "-")
         rows.append(cells)
     lines.append(markdown_table(columns, rows))
-    lines += ["", "⚠: the two runs' 95% intervals do not overlap (a change beyond either run's noise)."]
+    if comparison["changed"]:  # the legend explains a mark; without one it would only puzzle
+        lines += ["", "⚠: the two runs' 95% intervals do not overlap (a change beyond either run's noise)."]
     if comparison["only_in_a"]:
         lines.append(f"Arms only in A: {comparison['only_in_a']}")
     if comparison["only_in_b"]:

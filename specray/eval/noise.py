@@ -45,9 +45,56 @@ def is_lossless(family: str | None, method: str | None, params: dict[str, Any] |
         return False
 
 
+def claimed_law(family: str | None, method: str | None, params: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The ``target_only`` parameters whose law an arm claims (the family table says; None: no claim)."""
+    from specray.families import FAMILIES
+    from specray.methods.params import ParamError
+
+    if family not in FAMILIES or method not in FAMILIES[family].methods:
+        return None
+    try:
+        return FAMILIES[family].target_law(method, _without_seed_offset(params))
+    except ParamError:
+        return None
+
+
+def law_note(family: str | None, method: str | None, params: dict[str, Any] | None) -> str | None:
+    """What an arm's claimed law means when it is not plainly target_only's (the parameter class says)."""
+    from specray.families import FAMILIES
+    from specray.methods.params import ParamError
+
+    if family not in FAMILIES or method not in FAMILIES[family].methods:
+        return None
+    try:
+        return FAMILIES[family].parse_params(method, _without_seed_offset(params)).law_note
+    except ParamError:
+        return None
+
+
+def target_only_params(family: str | None, params: dict[str, Any] | None) -> dict[str, Any] | None:
+    """A target_only arm's parameters with the family's defaults filled in (comparable with a claimed law)."""
+    from specray.families import FAMILIES
+    from specray.methods.params import ParamError
+
+    if family not in FAMILIES or "target_only" not in FAMILIES[family].methods:
+        return None
+    try:
+        return FAMILIES[family].parse_params("target_only", _without_seed_offset(params)).to_dict()
+    except ParamError:
+        return None
+
+
+def _without_seed_offset(params: dict[str, Any] | None) -> dict[str, Any]:
+    return {k: v for k, v in (params or {}).items() if k != "seed_offset"}
+
+
 def seed_spread(arm_entries: list[dict[str, Any]], arm_infos: dict[str, dict[str, Any]],
                 within_sd: float = WITHIN_SD) -> list[dict[str, Any]]:
-    """One record per target_only replica group with >= 2 seeds; marks each arm entry's ``fid.seed_spread``."""
+    """One record per target_only replica group with >= 2 seeds; marks each arm entry's ``fid.seed_spread``.
+
+    A lossless arm is judged against the group of the target_only arm it claims the law of (its
+    entry's ``law_baseline``), never against a target_only of another law.
+    """
     fid_of = {e["arm"]: (e.get("fid") or {}).get("value") for e in arm_entries}
     groups: dict[str, list[str]] = {}
     for entry in arm_entries:
@@ -67,10 +114,7 @@ def seed_spread(arm_entries: list[dict[str, Any]], arm_infos: dict[str, dict[str
                   "mean": mean, "sd": sd, "num_seeds": len(values), "min": min(values), "max": max(values),
                   "criterion": f"|FID - mean| <= {within_sd:g} * sd", "lossless_arms": {}}
         for entry in arm_entries:
-            ainfo = arm_infos.get(entry["arm"], {})
-            if (ainfo.get("family"), ainfo.get("target")) != (info.get("family"), info.get("target")):
-                continue
-            if not is_lossless(ainfo.get("family"), ainfo.get("method"), ainfo.get("params")):
+            if entry.get("law_baseline") not in arms:
                 continue
             value = fid_of[entry["arm"]]
             within = value is not None and abs(value - mean) <= within_sd * sd

@@ -73,6 +73,12 @@ def _speed(arm: dict[str, Any]) -> tuple[float | None, list[float] | None]:
     return None, None
 
 
+def pareto_xlabel(report: dict[str, Any], family: str) -> str:
+    """The x-axis of a family's plane names the baseline its speedups were measured against."""
+    baselines = sorted({a["baseline"] for a in report["arms"] if a.get("family") == family and a.get("baseline")})
+    return f"throughput speedup over {', '.join(baselines) or 'target_only'} (95% CI)"
+
+
 def pareto_plot(report: dict[str, Any], family: str) -> bytes | None:
     plt = _pyplot()
     groups = [g for g in report.get("seed_spread") or [] if g.get("family") == family]
@@ -110,7 +116,7 @@ def pareto_plot(report: dict[str, Any], family: str) -> bytes | None:
             ax.axhspan(low, high, color="0.85", alpha=0.5, zorder=0,
                        label=f"{group['arms'][0]} over {group['num_seeds']} seeds: mean ± 2 sd")
     ax.axvline(1.0, color="0.75", linewidth=0.8, zorder=0)
-    ax.set_xlabel("throughput speedup over target_only (95% CI)")
+    ax.set_xlabel(pareto_xlabel(report, family))
     ax.set_ylabel(f"FID ({report['fid_setup']['feature_extractor']}, 95% CI)")
     ax.set_title(f"{family}: speed vs quality (lower right is better; * = on the Pareto front)", fontsize=10)
     ax.grid(alpha=0.3)

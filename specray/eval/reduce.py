@@ -56,19 +56,28 @@ import torch
 
 from specray.eval.accumulate import ArmAccumulator
 from specray.eval.bootstrap import bias_shifted_interval
-from specray.eval.checks import RunCheckError, check_run  # noqa: F401  (RunCheckError re-exported)
+from specray.eval.checks import MIN_SAMPLES_PER_ARM, RunCheckError, check_run  # noqa: F401  (RunCheckError re-exported)
 from specray.eval.extractors import ImageFeatureExtractor
 from specray.eval.fid import digits_reference_images, fid_torch_fidelity, frechet_distance
-from specray.eval.noise import seed_spread
+from specray.eval.noise import claimed_law, law_note, seed_spread, target_only_params
 from specray.eval.options import ReduceOptions
 from specray.eval.quality import precision_recall
 from specray.eval.reference import ReferenceStatistics, load_reference
 from specray.eval.report import TABLE_COLUMNS, format_table, grid_png, render_report_files, table_rows, write_json
 from specray.eval.shards import RunManifest, decode_images, iter_shard_batches, read_manifest
 from specray.eval.speedup import latency_speedup, ratio_with_paired_bootstrap, speedup_over_baseline
+from specray.eval.verify import partial_view, verify_files
+from specray.runtime.progress import Progress
 from specray.runtime.store import RunStore
 
 REPORT_FORMAT = "specray-report/1"
+
+# Below this many paired batches a bootstrap interval over batches has too few distinct values to
+# mean much (with one pair it collapses to a point); the report says so instead of showing it bare.
+MIN_SPEEDUP_PAIRS = 10
+# Below this many samples per feature dimension the arm's feature covariance is poorly estimated
+# (below 1 it is singular: rank <= N - 1 < d) and FID is dominated by its O(d/N) bias and its noise.
+MIN_FID_SAMPLES_PER_DIM = 2
 
 
 def reduce_run(
@@ -78,22 +87,36 @@ def reduce_run(
     options: ReduceOptions | None = None,
     storage_options: dict[str, Any] | None = None,
     reference: str | None = None,
+    show_progress: bool | None = None,
+    partial: bool = False,
 ) -> dict[str, Any]:
     """Score a committed run and write ``<run_dir>/report/`` (report.json, report.md, plots, grid); returns the report.
 
     ``options`` default to the job's ``eval.options`` from the manifest, then to ``ReduceOptions()``;
     ``reference`` defaults to the job's ``eval.reference`` (see ``specray.eval.reference``).
-    Raises ``RunCheckError`` (a ValueError) before scoring when the run fails a pre-scoring check.
+    Progress (reference, feature extraction per arm, where the report went) goes to stderr when
+    ``show_progress`` (default: ``print_table``).
+    Every listed file is verified first (``verify.py``: path, size, sha256, its own identity) and
+    raises ``RunCheckError`` (a ValueError) naming the bad files, as does a failed pre-scoring
+    check. ``partial``: score the files that verify and say in the report what is missing.
     """
+    show_progress = print_table if show_progress is None else show_progress
+    say = _say if show_progress else (lambda message: None)
     store = RunStore(run_dir, storage_options)
     manifest = read_manifest(store)
     spec_eval = (manifest.raw.get("spec") or {}).get("eval") or {}
     if options is None:
         options = ReduceOptions.parse(spec_eval.get("options") or {})
     reference_name = reference or spec_eval.get("reference", "digits")
-    checks = check_run(store, manifest) if options.checks else None
+    verified = verify_files(store, manifest, partial=partial)
+    partial_info = None
+    if not verified.complete:
+        manifest, partial_info = partial_view(manifest, verified)
+    checks = check_run(store, manifest, partial=partial_info is not None) if options.checks else None
 
     extractor = ImageFeatureExtractor(options.feature_extractor, options.device, options.inception_weights)
+    say(f"reduce: {len(manifest.arm_names)} arms, {manifest.num_rows} rows; reference statistics of "
+        f"{reference_name!r} through {extractor.name}")
     reference_stats = load_reference(reference_name, extractor, batch_rows=options.batch_rows,
                                      prc_max_samples=options.prc_max_samples if options.prc else 0)
     reference_images = None
@@ -104,31 +127,72 @@ def reduce_run(
     accumulators: dict[str, ArmAccumulator] = {}
     bootstrap_fids: dict[str, np.ndarray] = {}
     extraction_s = 0.0
-    for arm in manifest.arm_names:
-        acc, seconds = _stream_arm(store, manifest, arm, extractor, options)
-        extraction_s += seconds
-        fid, bootstrap_fids[arm] = _arm_fid(acc, reference_stats, reference_images, options)
-        acc.bootstrap = None  # type: ignore[assignment]  # free B*d^2 floats before the next arm
-        acc.images = None
-        accumulators[arm] = acc
-        arm_results[arm] = _arm_entry(arm, manifest, acc, fid)
-        arm_results[arm]["inception_score"] = acc.isc.result() if acc.isc is not None else None
-        arm_results[arm]["precision_recall"] = _precision_recall(acc, reference_stats, options)
-        acc.prc = None  # type: ignore[assignment]
+    with Progress(manifest.num_rows, what="features", enabled=show_progress) as progress:
+        for index, arm in enumerate(manifest.arm_names):
+            acc, seconds = _stream_arm(store, manifest, arm, extractor, options, progress)
+            extraction_s += seconds
+            arm_results[arm] = _score_arm(arm, manifest, acc, reference_stats, reference_images, options,
+                                          bootstrap_fids)
+            accumulators[arm] = acc
+            progress.note(f"reduce: [{index + 1}/{len(manifest.arm_names)}] {arm}: {acc.totals.num_samples} "
+                          f"images, FID {arm_results[arm]['fid']['value']:.2f}")
+    say("reduce: speedups, noise, report")
+    _pair_with_baselines(manifest, arm_results, accumulators, bootstrap_fids, options)
+    report = _assemble(run_dir, manifest, checks, extractor, reference_stats, options, arm_results, extraction_s,
+                       partial_info)
+    report["grid"] = _write_grid(store, manifest.arm_names, accumulators)
+    write_json(store, "report/report.json", report)
+    render_report_files(store, report, plots=options.plots)
+    if print_table:
+        print(format_table(report))
+    say(f"report: {store.full_path('report/report.md')} (report.json, plots and grid.png beside it)")
+    return report
 
+
+def _say(message: str) -> None:
+    import sys
+
+    print(message, file=sys.stderr, flush=True)
+
+
+def _score_arm(arm: str, manifest: RunManifest, acc: ArmAccumulator, reference_stats: ReferenceStatistics,
+               reference_images: torch.Tensor | None, options: ReduceOptions,
+               bootstrap_fids: dict[str, np.ndarray]) -> dict[str, Any]:
+    """One arm's own numbers (FID, IS, PR, acceptance); frees what the next arm does not need."""
+    fid, bootstrap_fids[arm] = _arm_fid(acc, reference_stats, reference_images, options)
+    acc.bootstrap = None  # type: ignore[assignment]  # free B*d^2 floats before the next arm
+    acc.images = None
+    entry = _arm_entry(arm, manifest, acc, fid)
+    entry["inception_score"] = acc.isc.result() if acc.isc is not None else None
+    entry["precision_recall"] = _precision_recall(acc, reference_stats, options)
+    acc.prc = None  # type: ignore[assignment]
+    return entry
+
+
+def _pair_with_baselines(manifest: RunManifest, arm_results: dict[str, dict[str, Any]],
+                         accumulators: dict[str, ArmAccumulator], bootstrap_fids: dict[str, np.ndarray],
+                         options: ReduceOptions) -> None:
+    """Speedups against the family's baseline; FID differences against the target_only of the law the arm claims."""
+    for arm, entry in arm_results.items():
+        entry["law_baseline"], entry["claimed_law"] = _law_baseline_for(arm, manifest, arm_results)
+        entry["law_note"] = law_note(entry["family"], entry["method"], entry.get("params"))
     for arm, entry in arm_results.items():
         baseline = _baseline_for(arm, manifest, arm_results)
         entry["baseline"] = baseline
         if baseline is None:
             continue
-        diff = bootstrap_fids[arm] - bootstrap_fids[baseline]
-        diff_value = entry["fid"]["value"] - arm_results[baseline]["fid"]["value"]
-        ci = bias_shifted_interval(diff, diff_value, options.confidence)
-        entry["fid"]["diff_vs_baseline"] = {
-            "value": diff_value,
-            "ci": list(ci),
-            "within_noise": bool(ci[0] <= 0.0 <= ci[1]),
-        }
+        compared = entry["law_baseline"] if entry["claimed_law"] is not None else baseline
+        if compared is not None and compared != arm:
+            diff = bootstrap_fids[arm] - bootstrap_fids[compared]
+            diff_value = entry["fid"]["value"] - arm_results[compared]["fid"]["value"]
+            ci = bias_shifted_interval(diff, diff_value, options.confidence)
+            entry["fid"]["diff_vs_baseline"] = {
+                "baseline": compared,
+                "same_law": entry["claimed_law"] is not None,
+                "value": diff_value,
+                "ci": list(ci),
+                "within_noise": bool(ci[0] <= 0.0 <= ci[1]),
+            }
         arm_acc, base_acc = accumulators[arm], accumulators[baseline]
         nfe = ratio_with_paired_bootstrap(base_acc.totals.target_calls, arm_acc.totals.target_calls,
                                           base_acc.target_calls_boot, arm_acc.target_calls_boot, options.confidence)
@@ -149,8 +213,34 @@ def reduce_run(
             arm_acc.times, base_acc.times, drop_warmup=options.drop_warmup,
             num_replicates=options.speedup_replicates, seed=options.bootstrap_seed, confidence=options.confidence,
         )
+        entry["speedup"]["warning"] = _few_pairs_warning(entry["speedup"]["num_pairs"])
 
+
+def _few_pairs_warning(num_pairs: int) -> str | None:
+    if num_pairs >= MIN_SPEEDUP_PAIRS:
+        return None
+    if num_pairs <= 1:
+        return (f"{num_pairs} paired batch: no interval (it needs several batches per arm; "
+                f"run more samples or a smaller batch_size)")
+    return (f"interval from {num_pairs} paired batches (under {MIN_SPEEDUP_PAIRS}): it understates the "
+            "uncertainty; run more samples or a smaller batch_size")
+
+
+def _few_samples_warning(num_samples: int, feature_dim: int) -> str | None:
+    wanted = MIN_FID_SAMPLES_PER_DIM * feature_dim
+    if num_samples >= wanted:
+        return None
+    singular = (f"; below {feature_dim} its covariance is singular" if num_samples <= feature_dim else "")
+    return (f"FID from {num_samples} samples of {feature_dim}-dim features{singular}: it is biased upward and "
+            f"noisy, and not comparable with FIDs at other sample counts; use at least {wanted} samples per arm")
+
+
+def _assemble(run_dir: str, manifest: RunManifest, checks: dict | None, extractor: ImageFeatureExtractor,
+              reference_stats: ReferenceStatistics, options: ReduceOptions, arm_results: dict[str, dict[str, Any]],
+              extraction_s: float, partial_info: dict[str, Any] | None) -> dict[str, Any]:
     arms = [arm_results[a] for a in manifest.arm_names]
+    for entry in arms:
+        entry["fid"]["warning"] = _few_samples_warning(entry["num_samples"], extractor.fid_dim)
     arm_infos = {a: {**manifest.arm_info(a), **{k: arm_results[a][k] for k in ("family", "method", "target", "draft")}}
                  for a in manifest.arm_names}
     spreads = seed_spread(arms, arm_infos, options.seed_spread_sd)
@@ -162,6 +252,7 @@ def reduce_run(
         "run": run_dir,
         "job_id": manifest.raw.get("job_id"),
         "num_rows": num_rows,
+        "partial": partial_info,  # None: every listed file verified and was scored
         "checks": {"passed": checks is not None, "skipped": checks is None,
                    "num_samples_per_arm": next(iter(checks.values())).rows if checks else None,
                    "class_counts": {str(k): v for k, v in next(iter(checks.values())).class_counts.items()}
@@ -188,16 +279,12 @@ def reduce_run(
                        "images_per_s": num_rows / extraction_s if extraction_s > 0 else None},
     }
     report["table"] = {"columns": list(TABLE_COLUMNS), "rows": table_rows(report)}
-    report["grid"] = _write_grid(store, manifest.arm_names, accumulators)
-    write_json(store, "report/report.json", report)
-    render_report_files(store, report, plots=options.plots)
-    if print_table:
-        print(format_table(report))
     return report
 
 
 def _stream_arm(
-    store: RunStore, manifest: RunManifest, arm: str, extractor: ImageFeatureExtractor, options: ReduceOptions
+    store: RunStore, manifest: RunManifest, arm: str, extractor: ImageFeatureExtractor, options: ReduceOptions,
+    progress: Progress | None = None,
 ) -> tuple[ArmAccumulator, float]:
     acc = ArmAccumulator(
         name=arm,
@@ -222,10 +309,13 @@ def _stream_arm(
             acc.update(batch, entry.shard, images, features)
             seconds += time.perf_counter() - began
             rows += batch.num_rows
+            if progress is not None:
+                progress.advance(batch.num_rows)
         if entry.rows >= 0 and rows != entry.rows:
             raise ValueError(f"shard {entry.path}: manifest lists {entry.rows} rows, file has {rows}")
-    if acc.totals.num_samples < 2:
-        raise ValueError(f"arm {arm!r}: {acc.totals.num_samples} samples in the manifest's shards; FID needs at least 2")
+    if acc.totals.num_samples < MIN_SAMPLES_PER_ARM:
+        raise RunCheckError("size", f"arm {arm!r}: {acc.totals.num_samples} samples in the manifest's shards; FID "
+                                    f"needs at least {MIN_SAMPLES_PER_ARM}")
     return acc, seconds
 
 
@@ -240,8 +330,10 @@ def _arm_fid(
         source = "torch_fidelity.calculate_metrics"
     else:
         value, source = streaming, "streamed moments + torch_fidelity fid_statistics_to_metric"
+    # A replicate of a tiny run can draw fewer than two samples (no covariance): it counts as missing.
     replicates = np.array(
-        [frechet_distance(acc.bootstrap.statistics(b), reference_stats) for b in range(acc.bootstrap.num_replicates)]
+        [frechet_distance(acc.bootstrap.statistics(b), reference_stats) if acc.bootstrap.count[b] >= 2 else np.nan
+         for b in range(acc.bootstrap.num_replicates)]
     )
     halves = [
         frechet_distance(half.statistics(), reference_stats) if half.count >= 2 else None for half in acc.halves
@@ -252,7 +344,7 @@ def _arm_fid(
         "source": source,
         "streaming": streaming,
         "ci": [max(0.0, low), high],  # FID is a squared distance: never below 0
-        "bootstrap_std": float(np.std(replicates, ddof=1)),
+        "bootstrap_std": float(np.nanstd(replicates, ddof=1)) if np.isfinite(replicates).sum() > 1 else None,
         "halves": halves,
         "diff_vs_baseline": None,
         "seed_spread": None,
@@ -296,6 +388,8 @@ def _arm_entry(arm: str, manifest: RunManifest, acc: ArmAccumulator, fid: dict[s
             "accepted_length_histogram": totals.accepted_length_histogram,
             "acceptance_timeline": totals.acceptance_timeline,
         },
+        "extra_totals": dict(totals.extra_sums),
+        "resampling": _resampling(totals.extra_sums),
         "params": info.get("params"),
         "nfe_ratio": None,
         "nfe_ratio_ci": None,
@@ -303,9 +397,42 @@ def _arm_entry(arm: str, manifest: RunManifest, acc: ArmAccumulator, fid: dict[s
     }
 
 
+def _resampling(sums: dict[str, float]) -> dict[str, Any] | None:
+    """CSpD's acceptance-rejection resampler: tokens resampled and how often the try cap was hit."""
+    if "resampled_tokens" not in sums:
+        return None
+    resampled, hits = int(sums["resampled_tokens"]), int(sums.get("resample_cap_hits", 0))
+    return {"resampled_tokens": resampled, "resample_cap_hits": hits,
+            "cap_hit_rate": hits / resampled if resampled else None}
+
+
+def _law_baseline_for(arm: str, manifest: RunManifest,
+                      results: dict[str, dict[str, Any]]) -> tuple[str | None, dict[str, Any] | None]:
+    """The target_only arm (same family and target) whose parameters are the law ``arm`` claims, and that law.
+
+    (None, None) for an arm that claims no law (lossy methods, target_only itself); (None, law) when
+    the run has no target_only arm of that law. Among seed replicas the lowest seed_offset is taken.
+    """
+    entry = results[arm]
+    if entry["method"] == "target_only":
+        return None, None
+    law = claimed_law(entry["family"], entry["method"], entry.get("params"))
+    if law is None:
+        return None, None
+    from specray.eval.checks import seed_offset
+
+    matches = [other for other in results
+               if results[other]["method"] == "target_only"
+               and (results[other]["family"], results[other]["target"]) == (entry["family"], entry["target"])
+               and target_only_params(results[other]["family"], results[other].get("params")) == law]
+    if not matches:
+        return None, law
+    return min(matches, key=lambda other: seed_offset(manifest.arm_info(other))), law
+
+
 def _baseline_for(arm: str, manifest: RunManifest, results: dict[str, dict[str, Any]]) -> str | None:
-    """The arm an arm's FID difference and speedup are measured against (an arm that is a
-    ``target_only`` one is its own baseline).
+    """The arm an arm's speedup is measured against, and its FID difference when it claims no law (an
+    arm that is a ``target_only`` one is its own baseline).
 
     First choice, one of the same model pair (family, target and draft): arms of one pair run on the
     same actor, batch by batch, so their wall times pair. Among those, the job's ``eval.baseline``
@@ -314,6 +441,8 @@ def _baseline_for(arm: str, manifest: RunManifest, results: dict[str, dict[str, 
     """
     entry = results[arm]
     named = manifest.baseline_arm
+    if named in manifest.dropped_arms:
+        named = None  # a partial report that lost the baseline arm: fall back to a target_only of the same model
     if named is not None and named not in results:
         raise ValueError(f"eval.baseline {named!r} is not an arm of this run; arms: {list(results)}")
     candidates = ([named] if named is not None else []) + [o for o in results if results[o]["method"] == "target_only"]

@@ -31,10 +31,11 @@ import torch
 
 from specray.eval.extractors import ImageFeatureExtractor
 from specray.eval.fid import FeatureMoments
+from specray.eval.options import REFERENCE_KINDS as PREFIXES  # noqa: F401  (re-exported)
+from specray.eval.options import parse_reference as _parse_reference
 from specray.runtime.images import decode_image, decode_image_column, stack_images
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".webp")
-PREFIXES = ("digits", "npz", "fidelity-stats", "folder", "parquet")
 
 
 @dataclass
@@ -52,28 +53,11 @@ class ReferenceStatistics:
 
 
 def parse_reference(reference: str) -> tuple[str, str]:
-    """``"kind:path"`` or a bare path / ``digits`` -> (kind, path)."""
-    if reference == "digits":
-        return "digits", ""
-    for prefix in PREFIXES[1:]:
-        if reference.startswith(prefix + ":"):
-            return prefix, reference[len(prefix) + 1 :]
-    path = Path(reference)
-    if reference.endswith(".npz"):
-        return "npz", reference
-    if reference.endswith(".pt") or reference.endswith(".pth"):
-        return "fidelity-stats", reference
-    if reference.endswith(".parquet"):
-        return "parquet", reference
-    if path.is_dir():
-        if any(p.suffix == ".parquet" for p in path.rglob("*.parquet")):
-            return "parquet", reference
-        return "folder", reference
-    raise ValueError(
-        f"eval.reference: cannot tell what {reference!r} is; allowed: 'digits', 'npz:PATH' (ADM mu/sigma), "
-        "'fidelity-stats:PATH' (torch-fidelity statistics .pt), 'folder:PATH' (images), 'parquet:PATH' "
-        "(image column), or a path ending .npz/.pt/.parquet or an existing directory"
-    )
+    """``"kind:path"`` or a bare path / ``digits`` -> (kind, path) (the spec checks the same, torch-free)."""
+    try:
+        return _parse_reference(reference)
+    except ValueError as exc:
+        raise ValueError(f"eval.reference: {exc}") from None
 
 
 def load_reference(reference: str, extractor: ImageFeatureExtractor, *, batch_rows: int = 1024,

@@ -14,10 +14,15 @@ import numpy as np
 
 from specray.runtime.store import RunStore
 
+# report.md's table per family: every number, with its interval.
 TABLE_COLUMNS = (
     "arm", "FID [95% CI]", "IS", "mean acc. length", "acc. rate", "speedup [95% CI]", "latency speedup @1 [95% CI]",
     "NFE ratio [95% CI]",
 )
+# The table printed at the end of a run: what fits 100 columns (details in report.md).
+SUMMARY_COLUMNS = ("arm", "FID [95% CI]", "acc.len", "acc.rate", "speedup [95% CI]", "notes")
+SUMMARY_WIDTH = 100
+FEW_MARK = "!"  # an interval that rests on too few batches or samples (report.md says why)
 
 
 def _fmt(value: float | None, digits: int = 3) -> str:
@@ -33,6 +38,18 @@ def _fmt_interval(value: float | None, interval: list[float] | None, digits: int
     return text
 
 
+def _speedup_cell(speed: dict[str, Any]) -> str:
+    """The throughput speedup; no interval when it rests on a single paired batch, '!' when on few."""
+    if speed.get("num_pairs", 0) <= 1:
+        return _fmt(speed.get("throughput_speedup"), 2) + (f" {FEW_MARK}" if speed else "")
+    text = _fmt_interval(speed.get("throughput_speedup"), speed.get("throughput_ci"), 2)
+    return text + (f" {FEW_MARK}" if speed.get("warning") else "")
+
+
+def _fid_cell(fid: dict[str, Any]) -> str:
+    return _fmt_interval(fid.get("value"), fid.get("ci"), 2) + (f" {FEW_MARK}" if fid.get("warning") else "")
+
+
 def table_rows(report: dict[str, Any]) -> list[list[str]]:
     rows = []
     for arm in report["arms"]:
@@ -42,23 +59,63 @@ def table_rows(report: dict[str, Any]) -> list[list[str]]:
         isc = arm.get("inception_score") or {}
         rows.append([
             arm["arm"],
-            _fmt_interval(fid.get("value"), fid.get("ci"), 2),
+            _fid_cell(fid),
             _fmt(isc.get("mean"), 2),
             _fmt(arm["acceptance"]["mean_acceptance_length"], 3),
             _fmt(arm["acceptance"]["draft_acceptance_rate"], 3),
-            _fmt_interval(speed.get("throughput_speedup"), speed.get("throughput_ci"), 2),
+            _speedup_cell(speed) if speed else "-",
             _fmt_interval(latency.get("speedup"), latency.get("ci"), 2) if latency.get("available") else "-",
             _fmt_interval(arm.get("nfe_ratio"), arm.get("nfe_ratio_ci"), 2),
         ])
     return rows
 
 
-def format_table(report: dict[str, Any]) -> str:
-    rows = [list(TABLE_COLUMNS)] + table_rows(report)
-    widths = [max(len(r[i]) for r in rows) for i in range(len(TABLE_COLUMNS))]
-    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
+def _verdict_note(arm: dict[str, Any]) -> str:
+    """A few words on the arm's lossless verdict, for the summary table."""
+    fid = arm.get("fid") or {}
+    diff = fid.get("diff_vs_baseline") or {}
+    if arm.get("claimed_law") is None:
+        return ""
+    if not diff.get("same_law"):
+        return "no law match"
+    spread = fid.get("seed_spread")
+    within = diff.get("within_noise") and (spread is None or spread.get("within"))
+    return "within noise" if within else "OUTSIDE noise"
+
+
+def summary_rows(report: dict[str, Any]) -> list[list[str]]:
+    rows = []
+    for arm in report["arms"]:
+        fid = arm.get("fid") or {}
+        speed = arm.get("speedup") or {}
+        rows.append([arm["arm"], _fid_cell(fid), _fmt(arm["acceptance"]["mean_acceptance_length"], 2),
+                     _fmt(arm["acceptance"]["draft_acceptance_rate"], 3), _speedup_cell(speed) if speed else "-",
+                     _verdict_note(arm)])
+    return rows
+
+
+def format_table(report: dict[str, Any], width: int = SUMMARY_WIDTH) -> str:
+    """The end-of-run table, at most ``width`` columns: long arm names and notes are cut with '…'."""
+    rows = [list(SUMMARY_COLUMNS)] + summary_rows(report)
+    widths = [max(len(r[i]) for r in rows) for i in range(len(SUMMARY_COLUMNS))]
+    gaps = 2 * (len(widths) - 1)
+    # long arm names give way first (down to 16), then the notes, then the arm names again
+    for column, floor in ((0, 16), (5, len(SUMMARY_COLUMNS[5])), (0, 8)):
+        excess = sum(widths) + gaps - width
+        if excess > 0:
+            widths[column] = max(floor, widths[column] - excess)
+    lines = ["  ".join(_clip(cell, w).ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
+    footer = []
+    if any(FEW_MARK in cell for row in rows[1:] for cell in row[1:5]):
+        footer.append(f"{FEW_MARK}: too few batches or samples for this interval (report.md says why)")
+    if any(row[5] for row in rows[1:]):
+        footer.append("notes: lossless arms against the target_only of the law they claim (report.md names it)")
+    return "\n".join(lines + [_clip(line, width) for line in footer])
+
+
+def _clip(text: str, width: int) -> str:
+    return text if len(text) <= width else text[: max(0, width - 1)] + "…"
 
 
 def _json_clean(value: Any) -> Any:
@@ -132,6 +189,9 @@ def render_markdown(report: dict[str, Any], plot_names: list[str]) -> str:
              + (f" ({setup['reference_count']} images)" if setup.get("reference_count") else "") + ". "
              f"Intervals are {int(setup['confidence'] * 100)}% bootstrap intervals ({setup['bootstrap_replicates']} "
              "Poisson replicates keyed by sample_id for FID and the NFE ratio; resampled paired batches for speedups)."]
+    from specray.eval.verify import partial_notice_lines
+
+    lines += partial_notice_lines(report)
     checks = report.get("checks") or {}
     if checks.get("passed"):
         lines += ["", f"Pre-scoring checks passed: every arm has {checks.get('num_samples_per_arm')} samples, no "
@@ -139,26 +199,31 @@ def render_markdown(report: dict[str, Any], plot_names: list[str]) -> str:
     table = {tuple(r[:1]): r for r in table_rows(report)}
     from specray.eval.plots import families
 
+    latency_shown = any(((a.get("speedup") or {}).get("latency") or {}).get("available") for a in report["arms"])
+    keep = [i for i, column in enumerate(TABLE_COLUMNS) if latency_shown or not column.startswith("latency")]
     for family in families(report):
         arms = [a for a in report["arms"] if a.get("family") == family]
         lines += ["", f"## {family}", ""]
-        rows = [table[(a["arm"],)] for a in arms]
-        lines.append(markdown_table(TABLE_COLUMNS, rows))
-        lines += ["", "Speedup: throughput at the run's batch size (sum of paired batch wall times, warm-up "
-                      "batches dropped). Latency speedup needs batch size 1. NFE ratio: target calls of the "
-                      "baseline / of the arm.", ""]
+        rows = [[table[(a["arm"],)][i] for i in keep] for a in arms]
+        lines.append(markdown_table([TABLE_COLUMNS[i] for i in keep], rows))
+        baselines = sorted({a["baseline"] for a in arms if a.get("baseline")})
+        lines += ["", f"Speedup against {', '.join(f'`{b}`' for b in baselines) or 'no baseline'}: throughput "
+                      "at the run's batch size (sum of paired batch wall times, warm-up batches dropped). "
+                      "NFE ratio: target calls of the baseline / of the arm."
+                  + ("" if latency_shown else " Latency speedup needs a run with batch size 1."), ""]
         for arm in arms:
-            diff = (arm.get("fid") or {}).get("diff_vs_baseline")
-            if diff and arm.get("baseline") and arm["arm"] != arm["baseline"]:
-                verdict = "within bootstrap noise" if diff["within_noise"] else "outside bootstrap noise"
-                text = (f"- `{arm['arm']}`: FID − `{arm['baseline']}` = {_fmt(diff['value'], 2)} "
-                        f"[{_fmt(diff['ci'][0], 2)}, {_fmt(diff['ci'][1], 2)}] (paired bootstrap): {verdict}")
-                spread = (arm.get("fid") or {}).get("seed_spread")
-                if spread:
-                    text += (f"; seed spread of target_only over {spread['num_seeds']} seeds: "
-                             f"{_fmt(spread['mean'], 2)} ± {_fmt(spread['sd'], 2)} → "
-                             + ("within" if spread["within"] else "outside") + " 2 sd")
-                lines.append(text)
+            lines += _verdict_lines(arm)
+        for arm in arms:
+            lines += _warning_lines(arm)
+        for arm in arms:
+            resampling = arm.get("resampling")
+            if resampling:
+                rate = resampling.get("cap_hit_rate")
+                cap = (arm.get("params") or {}).get("max_tries")
+                lines.append(f"- `{arm['arm']}`: {resampling['resampled_tokens']} tokens resampled; the "
+                             f"{cap if cap is not None else ''}-try cap was hit {resampling['resample_cap_hits']} "
+                             f"times ({_fmt(100 * rate if rate is not None else None, 1)}%): those tokens fell back "
+                             "to the target's mean and are not exactly target-distributed")
     spreads = report.get("seed_spread") or []
     if spreads:
         lines += ["", "## Seed-to-seed spread", "",
@@ -188,6 +253,39 @@ def render_markdown(report: dict[str, Any], plot_names: list[str]) -> str:
         lines += ["", "## Samples", "", f"Same sample_ids in every row: {grid.get('sample_ids')}", "",
                   f"![grid]({grid['path'].split('/', 1)[-1]})"]
     return "\n".join(lines) + "\n"
+
+
+def _verdict_lines(arm: dict[str, Any]) -> list[str]:
+    """What the arm's FID is compared with, and whether the difference is within noise."""
+    diff = (arm.get("fid") or {}).get("diff_vs_baseline")
+    name = f"`{arm['arm']}`"
+    if arm.get("claimed_law") is not None and not (diff and diff.get("same_law")):
+        law = ", ".join(f"{k}={v}" for k, v in arm["claimed_law"].items())
+        return [f"- {name} claims target_only's law with {law}, but this run has no target_only arm with "
+                "those parameters: no lossless verdict (add one)"]
+    if not diff:
+        return []
+    verdict = "within bootstrap noise" if diff["within_noise"] else "outside bootstrap noise"
+    which = (f"`{diff['baseline']}`, the target_only of the law it claims" if diff.get("same_law")
+             else f"`{diff['baseline']}` (no exactness claimed: for scale only)")
+    text = (f"- {name}: FID − {which} = {_fmt(diff['value'], 2)} [{_fmt(diff['ci'][0], 2)}, "
+            f"{_fmt(diff['ci'][1], 2)}] (paired bootstrap): {verdict}")
+    spread = (arm.get("fid") or {}).get("seed_spread")
+    if spread:
+        text += (f"; seed spread of `{spread['group']}` over {spread['num_seeds']} seeds: "
+                 f"{_fmt(spread['mean'], 2)} ± {_fmt(spread['sd'], 2)} → "
+                 + ("within" if spread["within"] else "outside") + " 2 sd")
+    if arm.get("law_note"):
+        text += f". Note: {arm['law_note']}"
+    return [text]
+
+
+def _warning_lines(arm: dict[str, Any]) -> list[str]:
+    out = []
+    for what, record in (("FID", arm.get("fid") or {}), ("speedup", arm.get("speedup") or {})):
+        if record.get("warning"):
+            out.append(f"- {FEW_MARK} `{arm['arm']}` {what}: {record['warning']}")
+    return out
 
 
 def render_report_files(store: RunStore, report: dict[str, Any], plots: bool = True) -> list[str]:

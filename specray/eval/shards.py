@@ -29,18 +29,28 @@ STAT_COLUMNS = (
 OPTIONAL_COLUMNS = ("actor", "seed", "extra_stats")
 
 
+MANIFEST_MAX_BYTES = 512 * 1024 * 1024  # a manifest lists at most spec.MAX_SHARD_FILES entries of ~300 bytes
+
+
+class ManifestError(ValueError):
+    """A ``_manifest.json`` that cannot be read as a run's manifest; the message names the field."""
+
+
 @dataclass(frozen=True)
 class ShardEntry:
     arm: str
     shard: int
     path: str  # relative to the run directory
     rows: int
+    sha256: str | None = None
+    bytes: int = -1
 
 
 @dataclass(frozen=True)
 class RunManifest:
     raw: dict[str, Any]
     shards: tuple[ShardEntry, ...]
+    dropped_arms: tuple[str, ...] = ()  # arms a partial report could not score
 
     @property
     def arm_names(self) -> list[str]:
@@ -51,11 +61,23 @@ class RunManifest:
                 names.append(entry.arm)
         return names
 
+    @property
+    def num_rows(self) -> int:
+        """Rows in the shards the manifest lists."""
+        return sum(max(entry.rows, 0) for entry in self.shards)
+
     def arm_info(self, name: str) -> dict[str, Any]:
         for arm in self.raw.get("arms", []):
             if arm.get("name") == name:
                 return arm
         return {"name": name}
+
+    def restricted(self, entries: tuple[ShardEntry, ...]) -> "RunManifest":
+        """The same run with only ``entries`` listed (a partial report); arms without one are dropped."""
+        arms = {e.arm for e in entries}
+        raw = {**self.raw, "arms": [a for a in self.raw.get("arms", []) if a.get("name") in arms]}
+        dropped = tuple(a for a in self.arm_names if a not in arms)
+        return RunManifest(raw, tuple(entries), dropped)
 
     @property
     def batch_size(self) -> int | None:
@@ -70,21 +92,44 @@ class RunManifest:
 
 
 def read_manifest(store: RunStore) -> RunManifest:
-    raw = store.read_json(MANIFEST_NAME)
-    if raw is None:
+    """The run's manifest; :class:`ManifestError` naming the file and the field when it is not one."""
+    import json
+
+    if not store.is_committed(MANIFEST_NAME):
         raise FileNotFoundError(
             f"{store.full_path(MANIFEST_NAME)} not found: the run is incomplete (the manifest is written last) "
             "or the path is not a run directory"
         )
+    where = store.full_path(MANIFEST_NAME)
+    if (store.fs.size(where) or 0) > MANIFEST_MAX_BYTES:  # size first: never allocate for a huge file
+        raise ManifestError(f"{where} is larger than {MANIFEST_MAX_BYTES // 2**20} MiB; not a specray manifest")
+    data = store.read_bytes(MANIFEST_NAME)
+    try:
+        raw = json.loads(data)
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise ManifestError(f"{where} is not valid JSON ({str(exc).splitlines()[0][:120]})") from None
+    if not isinstance(raw, dict):
+        raise ManifestError(f"{where} must hold a JSON object, got {type(raw).__name__}")
     entries = raw.get("shards")
     if not isinstance(entries, list):
-        raise ValueError(f"{MANIFEST_NAME}: field 'shards' must be a list of shard records")
+        raise ManifestError(f"{where}: field 'shards' must be a list of shard records")
+    for field_name, kind in (("arms", list), ("layout", dict), ("spec", dict)):
+        if field_name in raw and not isinstance(raw[field_name], kind):
+            raise ManifestError(f"{where}: field {field_name!r} must be a JSON {kind.__name__}")
+    if any(not isinstance(a, dict) or not isinstance(a.get("name"), str) for a in raw.get("arms", [])):
+        raise ManifestError(f"{where}: every entry of 'arms' must be an object with a string 'name'")
     shards = []
     for i, entry in enumerate(entries):
-        for key in ("arm", "path"):
-            if key not in entry:
-                raise ValueError(f"{MANIFEST_NAME}: shards[{i}] lacks field {key!r}")
-        shards.append(ShardEntry(entry["arm"], int(entry.get("shard", i)), entry["path"], int(entry.get("rows", -1))))
+        if not isinstance(entry, dict):
+            raise ManifestError(f"{where}: shards[{i}] must be an object")
+        for key, kind in (("arm", str), ("path", str), ("shard", int), ("rows", int), ("sha256", str), ("bytes", int)):
+            if key in ("arm", "path") and key not in entry:
+                raise ManifestError(f"{where}: shards[{i}] lacks field {key!r}")
+            value = entry.get(key)
+            if value is not None and (not isinstance(value, kind) or isinstance(value, bool)):
+                raise ManifestError(f"{where}: shards[{i}].{key} must be a {kind.__name__}, got {value!r:.60}")
+        shards.append(ShardEntry(entry["arm"], int(entry.get("shard", i)), entry["path"], int(entry.get("rows", -1)),
+                                 entry.get("sha256"), int(entry.get("bytes", -1))))
     return RunManifest(raw, tuple(shards))
 
 

@@ -54,6 +54,24 @@ class SampleStats:
         return row
 
 
+def bind_conditions(conditions: Any, pair: Any) -> torch.Tensor:
+    """The per-row condition ids the loops feed a model: class labels as they are; for prompts
+    (``specray.models.text.TextFeatures``) the batch's features go to the pair's text-conditioned
+    models and row ``b``'s id is ``b`` (``specray.models.conditioning``)."""
+    from specray.models.conditioning import set_prompt_features, text_embeddings
+    from specray.models.text import TextFeatures
+
+    text_model = bool(text_embeddings(pair.target))
+    if isinstance(conditions, TextFeatures):
+        if not text_model:
+            raise ValueError(f"model {pair.target_name!r} is class-conditioned; prompts need a text-conditioned model")
+        set_prompt_features(conditions.pooled, pair.target, pair.draft)
+        return torch.arange(len(conditions), device=pair.device)
+    if text_model:
+        raise ValueError(f"model {pair.target_name!r} is text-conditioned; give it prompts, not class labels")
+    return conditions
+
+
 @dataclass
 class GenerationResult:
     """Images of one batch plus one statistics record per row.

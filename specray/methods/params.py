@@ -22,6 +22,8 @@ from typing import Annotated, Any, ClassVar, Literal
 import annotated_types
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from specray.urls import safe_repr
+
 # The draft length of every family: tokens, continuous tokens or denoising steps drafted per round.
 # CSpD's paper sweeps it up to 32; 64 leaves room without letting a typo allocate a huge round.
 GAMMA_MAX = 64
@@ -82,6 +84,25 @@ class MethodParams(StrictParams):
         """Whether the arm must name a draft model."""
         return False
 
+    def target_law(self, target_only: type["MethodParams"]) -> dict[str, Any] | None:
+        """The ``target_only`` parameters (``target_only``: the family's class for them) whose samples
+        follow the law this method claims for its own; None when it claims none (not lossless).
+
+        By default a lossless method samples the law of ``target_only`` with the same values of the
+        fields the two share (the family's sampler settings); a method whose law differs overrides this.
+        The reducer makes each lossless arm's "within noise" verdict against a ``target_only`` arm
+        with exactly these parameters.
+        """
+        if not self.lossless:
+            return None
+        shared = {name: getattr(self, name) for name in target_only.model_fields if name in type(self).model_fields}
+        return target_only.parse(shared).to_dict()
+
+    @property
+    def law_note(self) -> str | None:
+        """What the claimed law means, when it is not simply "target_only's" (shown beside the verdict)."""
+        return None
+
 
 def _first_error(cls: type[StrictParams], exc: ValidationError) -> ParamError:
     error = exc.errors(include_url=False)[0]
@@ -92,7 +113,7 @@ def _first_error(cls: type[StrictParams], exc: ValidationError) -> ParamError:
     if error["type"] == "extra_forbidden":
         return ParamError(name, f"unknown {cls.kind}; allowed: {sorted(cls.model_fields)}")
     if name in cls.model_fields:
-        return ParamError(name, f"must be {allowed_values(cls, name)}, got {error.get('input')!r}")
+        return ParamError(name, f"must be {allowed_values(cls, name)}, got {safe_repr(error.get('input'))}")
     return ParamError(name, error["msg"])
 
 

@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specray.models.conditioning import TextConditionEmbedding
 from specray.models.pair import ModelPair
 
 GRID = 4  # 4×4 patches
@@ -81,6 +82,9 @@ class ContinuousARConfig:
     class_dropout_prob: float = 0.1
     diffusion_train_steps: int = 1000
     diffusion_sample_steps: int = 50
+    condition: str = "class"  # "class": a class entry at slot 0; "text": the prompt's features there
+    text_dim: int = 384
+    text_encoder: str = "minilm"  # the encoder whose features the model was trained on ("text" only)
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> "ContinuousARConfig":
@@ -190,7 +194,12 @@ class ContinuousAR(nn.Module):
         super().__init__()
         self.config = config
         c = config
-        self.class_embed = nn.Embedding(c.num_classes + 1, c.dim)  # last id = null class (CFG)
+        if c.condition == "text":  # slot 0 reads the batch's prompt features (null = num_classes)
+            self.class_embed = TextConditionEmbedding(c.text_dim, c.dim, c.num_classes)
+        elif c.condition == "class":
+            self.class_embed = nn.Embedding(c.num_classes + 1, c.dim)  # last id = null class (CFG)
+        else:
+            raise ValueError(f"condition={c.condition!r}; allowed: class, text")
         self.token_proj = nn.Linear(c.token_dim, c.dim)
         self.pos_embed = nn.Parameter(torch.randn(c.num_tokens, c.dim) * 0.02)
         self.query_embed = nn.Parameter(torch.randn(c.dim) * 0.02)
@@ -342,7 +351,8 @@ def load_pair(target: str | dict, draft: str | dict | None, device: torch.device
     if draft_model is not None and draft_model.config.diffusion_sample_steps != target_model.config.diffusion_sample_steps:
         raise ValueError("target and draft must share diffusion_sample_steps (trajectory alignment needs one schedule)")
     info = {
-        "image_shape": IMAGE_SHAPE,
+        "image_shape": target_meta.get("image_shape", IMAGE_SHAPE),
+        "image_decoder": target_meta.get("image_decoder"),  # a release's VAE; the presets' tokens are pixels
         "num_tokens": target_model.config.num_tokens,
         "token_dim": target_model.config.token_dim,
         "target_config": asdict(target_model.config),

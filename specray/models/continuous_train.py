@@ -86,6 +86,10 @@ def batch_loss(
 def heldout_loss(model: ContinuousAR, schedule: DiffusionSchedule, seed: int, repeats: int = 4) -> float:
     images, labels = load_digits_split("heldout")
     tokens = levels_to_tokens(images)
+    if model.config.condition == "text":  # each image's first caption
+        from specray.models.text_training import caption_bank
+
+        labels = caption_bank("heldout").conditions(model, torch.arange(labels.shape[0]))
     gen = torch.Generator().manual_seed(seed + 12345)
     model.eval()
     losses = [float(batch_loss(model, schedule, tokens, labels, 0.25, 4, gen)) for _ in range(repeats)]
@@ -107,6 +111,13 @@ def train_preset(name: str, out_dir: Path, seed: int = 0) -> Path:
     schedule = DiffusionSchedule.cosine(config.diffusion_train_steps)
     images, labels = load_digits_split("train")
     tokens = levels_to_tokens(images)
+    if config.condition == "text":  # captions in the place of labels (the class path draws nothing more)
+        from specray.models.text_training import caption_bank
+
+        bank = caption_bank("train")
+        conditions = lambda idx: bank.conditions(model, idx, gen)  # noqa: E731
+    else:
+        conditions = lambda idx: labels[idx].clone()  # noqa: E731
     opt = torch.optim.AdamW(model.parameters(), lr=hp["lr"], weight_decay=hp["weight_decay"], betas=(0.9, 0.98))
     steps, warmup = int(hp["steps"]), int(hp["warmup_steps"])
     sched = torch.optim.lr_scheduler.LambdaLR(
@@ -116,7 +127,7 @@ def train_preset(name: str, out_dir: Path, seed: int = 0) -> Path:
     recent: list[float] = []
     for step in range(steps):
         idx = torch.randint(0, tokens.shape[0], (int(hp["batch_size"]),), generator=gen)
-        y = labels[idx].clone()
+        y = conditions(idx)
         drop = torch.rand(y.shape, generator=gen) < config.class_dropout_prob
         y[drop] = config.num_classes  # null class for CFG
         loss = batch_loss(model, schedule, tokens[idx], y, hp["raster_fraction"], hp["diffusion_batch_mul"], gen)

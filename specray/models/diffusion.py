@@ -23,6 +23,7 @@ from diffusers import DDPMScheduler, UNet2DModel
 from safetensors import safe_open
 from safetensors.torch import load_file
 
+from specray.models.conditioning import TextConditionEmbedding
 from specray.models.pair import ModelPair
 
 FAMILY = "diffusion"
@@ -30,12 +31,13 @@ SAMPLERS = ("ddpm", "euler_maruyama")
 
 
 def build_unet(config: dict[str, Any]) -> UNet2DModel:
-    """A small class-conditional UNet for ``sample_size`` x ``sample_size`` grey images."""
+    """A small class- (or, with ``condition: text``, prompt-) conditional UNet for ``sample_size`` x
+    ``sample_size`` grey images."""
     channels = tuple(config["block_out_channels"])
     attention = set(config.get("attention_levels", ()))
     down = tuple("AttnDownBlock2D" if i in attention else "DownBlock2D" for i in range(len(channels)))
     up = tuple(t.replace("Down", "Up") for t in reversed(down))
-    return UNet2DModel(
+    unet = UNet2DModel(
         sample_size=config["sample_size"],
         in_channels=1,
         out_channels=1,
@@ -44,8 +46,13 @@ def build_unet(config: dict[str, Any]) -> UNet2DModel:
         up_block_types=up,
         layers_per_block=config["layers_per_block"],
         norm_num_groups=config["norm_num_groups"],
-        num_class_embeds=config["num_classes"] + 1,  # + null class for CFG
-    )
+        num_class_embeds=config["num_classes"] + 1 if config.get("condition", "class") == "class" else 1,
+    )  # + null class for CFG
+    if config.get("condition", "class") == "text":  # the class slot reads the batch's prompt features
+        unet.class_embedding = TextConditionEmbedding(config.get("text_dim", 384), channels[0] * 4, config["num_classes"])
+    elif config.get("condition", "class") != "class":
+        raise ValueError(f"condition={config['condition']!r}; allowed: class, text")
+    return unet
 
 
 def make_scheduler(config: dict[str, Any]) -> DDPMScheduler:
@@ -69,11 +76,17 @@ class Denoiser(torch.nn.Module):
         super().__init__()
         self.unet = unet
         self.null_class = num_classes
+        self.conditional = unet.config.num_class_embeds is not None  # google/ddpm-* are unconditional
 
     @torch.no_grad()
     def forward(self, x: torch.Tensor, timesteps: torch.Tensor, labels: torch.Tensor, guidance_scale: float = 1.0) -> torch.Tensor:
         if x.shape[0] == 0:
             return torch.zeros_like(x)
+        if not self.conditional:
+            if guidance_scale != 1.0:
+                raise ValueError(f"guidance_scale={guidance_scale} needs a class-conditional model; this one is "
+                                 "unconditional (set guidance_scale: 1.0)")
+            return self.unet(x.to(self.unet.dtype), timesteps).sample.to(x.dtype)
         if guidance_scale == 1.0:
             return self.unet(x, timesteps, class_labels=labels).sample
         null = torch.full_like(labels, self.null_class)
@@ -96,6 +109,9 @@ class GaussianSteps:
     B: torch.Tensor  # float64 [K-1]
     sigma: torch.Tensor  # float64 [K-1]
     final_alpha_bar: float  # alpha-bar at timesteps[K-1], for the deterministic final step
+    # With x0 clipping (diffusers' clip_sample) the mean is c1 clip(x0_hat) + c2 x, x0_hat = r x - r1 eps,
+    # not affine in eps: (c1, c2, r, r1) per step, float64 [K-1]; None without clipping.
+    clipped_mean: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     @property
     def num_steps(self) -> int:
@@ -128,7 +144,18 @@ def gaussian_steps(scheduler: DDPMScheduler, num_steps: int, sampler: str = "ddp
     t = timesteps[:-1]
     s = timesteps[1:]
     abar_t, abar_s = abar[t], abar[s]
-    if sampler == "ddpm":
+    variance = scheduler.config.variance_type
+    if variance not in ("fixed_small", "fixed_large"):
+        raise ValueError(f"variance_type {variance!r} is not supported; allowed: 'fixed_small', 'fixed_large'")
+    # DDPMScheduler.step's posterior mean c1 x0_hat + c2 x with the strided beta = 1 - abar_t / abar_s.
+    beta = 1 - abar_t / abar_s
+    c1 = torch.sqrt(abar_s) * beta / (1 - abar_t)
+    c2 = torch.sqrt(abar_t / abar_s) * (1 - abar_s) / (1 - abar_t)
+    r, r1 = 1 / torch.sqrt(abar_t), torch.sqrt(1 - abar_t) / torch.sqrt(abar_t)
+    if sampler == "ddpm" and variance == "fixed_large":
+        sigma = churn * torch.sqrt(beta)  # google/ddpm-cifar10-32: variance beta_t, mean unchanged
+        A, B = c1 * r + c2, -c1 * r1
+    elif sampler == "ddpm":
         sigma = churn * torch.sqrt((1 - abar_s) / (1 - abar_t)) * torch.sqrt(1 - abar_t / abar_s)
         if torch.any(1 - abar_s - sigma**2 < 0):
             raise ValueError(f"churn={churn} too large for the DDIM step (needs sigma^2 <= 1 - abar_s)")
@@ -140,18 +167,28 @@ def gaussian_steps(scheduler: DDPMScheduler, num_steps: int, sampler: str = "ddp
         A = 1 + 0.5 * beta * h
         B = -(1 + churn**2) * beta * h / (2 * torch.sqrt(1 - abar_t))
         sigma = churn * torch.sqrt(beta * h)
-    return GaussianSteps(timesteps=timesteps, A=A, B=B, sigma=sigma, final_alpha_bar=float(abar[timesteps[-1]]))
+    clipped = None
+    if scheduler.config.clip_sample:
+        if sampler != "ddpm" or churn != 1.0:
+            raise ValueError("clip_sample models run the DDPM step itself: sampler 'ddpm' with churn 1")
+        clipped = (c1, c2, r, r1)
+    return GaussianSteps(timesteps=timesteps, A=A, B=B, sigma=sigma, final_alpha_bar=float(abar[timesteps[-1]]),
+                         clipped_mean=clipped)
 
 
-def final_step(x: torch.Tensor, eps: torch.Tensor, alpha_bar: float) -> torch.Tensor:
-    """Deterministic last step: the predicted clean image, clipped to [-1, 1]."""
+def final_step(x: torch.Tensor, eps: torch.Tensor, alpha_bar: float, clip: bool = True) -> torch.Tensor:
+    """Deterministic last step: the predicted clean image, clipped to [-1, 1] (latents: not clipped)."""
     x0 = (x - math.sqrt(1 - alpha_bar) * eps) / math.sqrt(alpha_bar)
-    return x0.clamp(-1.0, 1.0)
+    return x0.clamp(-1.0, 1.0) if clip else x0
 
 
 def to_uint8_image(x: torch.Tensor) -> torch.Tensor:
-    """[-1, 1] images ``[B, 1, H, W]`` -> uint8 ``[B, H, W]`` (0..255) on CPU."""
-    return ((x[:, 0].clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).cpu()
+    """[-1, 1] images ``[B, 1, H, W]`` -> uint8 ``[B, H, W]``, ``[B, 3, H, W]`` -> ``[B, H, W, 3]`` (0..255) on CPU.
+
+    ``round((x + 1) * 127.5)`` equals diffusers' ``round((x / 2 + 0.5) * 255)``.
+    """
+    pixels = ((x.float().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).cpu()
+    return pixels[:, 0] if pixels.shape[1] == 1 else pixels.permute(0, 2, 3, 1).contiguous()
 
 
 def load_denoiser(name_or_path: str | dict, device: torch.device) -> tuple[Denoiser, dict[str, Any]]:
@@ -196,12 +233,15 @@ def load_pair(target: str | dict, draft: str | dict | None, device: torch.device
     draft_model = None
     if draft is not None:
         draft_model, draft_config = load_denoiser(draft, device)
-        for key in ("num_train_timesteps", "beta_schedule", "num_classes", "sample_size"):
+        for key in ("num_train_timesteps", "beta_schedule", "num_classes", "sample_size", "channels",
+                    "variance_type", "clip_sample"):
             if draft_config.get(key) != config.get(key):
                 raise ValueError(f"draft {draft!r} differs from target {target!r} in {key}: {draft_config.get(key)} vs {config.get(key)}")
     info = {
-        "image_shape": (1, config["sample_size"], config["sample_size"]),
+        "image_shape": (config.get("channels", 1), config["sample_size"], config["sample_size"]),
         "num_classes": config["num_classes"],
-        "scheduler": make_scheduler(config),
+        # A release brings its own scheduler (DDPMScheduler with its config); the presets build theirs.
+        "scheduler": config["scheduler"] if "scheduler" in config else make_scheduler(config),
+        "image_decoder": config.get("image_decoder"),  # latent models: latents -> uint8 images
     }
     return ModelPair(FAMILY, ref_key(target), ref_key(draft), target_model, draft_model, device, info)

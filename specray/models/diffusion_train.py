@@ -56,6 +56,14 @@ def train_preset(name: str, out_dir: Path, seed: int = 0) -> Path:
     train_x, held_x = digits_to_unit_range(train_x), digits_to_unit_range(held_x)
 
     unet = build_unet(config)
+    if config.get("condition", "class") == "text":  # captions in the place of labels
+        from specray.models.text_training import caption_bank
+
+        bank, held_bank = caption_bank("train"), caption_bank("heldout")
+        conditions = lambda idx: bank.conditions(unet, idx, gen)  # noqa: E731
+        held_y = held_bank.conditions(unet, torch.arange(held_y.shape[0]))
+    else:
+        conditions = lambda idx: train_y[idx].clone()  # noqa: E731
     scheduler = make_scheduler(config)
     optimizer = torch.optim.AdamW(unet.parameters(), lr=hp["lr"], weight_decay=0.0)
     lr_schedule = get_cosine_schedule_with_warmup(optimizer, hp["warmup"], hp["steps"])
@@ -68,7 +76,7 @@ def train_preset(name: str, out_dir: Path, seed: int = 0) -> Path:
     unet.train()
     for step in range(hp["steps"]):
         idx = torch.randint(0, train_x.shape[0], (hp["batch_size"],), generator=gen)
-        x0, y = train_x[idx], train_y[idx].clone()
+        x0, y = train_x[idx], conditions(idx)
         y[torch.rand(y.shape, generator=gen) < hp["label_dropout"]] = null_class
         t = torch.randint(0, T, (x0.shape[0],), generator=gen)
         noise = torch.randn(x0.shape, generator=gen)
@@ -84,6 +92,8 @@ def train_preset(name: str, out_dir: Path, seed: int = 0) -> Path:
             print(f"[{name}] step {step} loss {loss.item():.4f} ({time.time() - start:.0f}s)", flush=True)
 
     unet.eval()
+    if config.get("condition", "class") == "text":  # the held-out captions, for the held-out loss
+        held_bank.conditions(unet, torch.arange(held_y.shape[0]))
     raw_heldout = heldout_loss(unet, scheduler, held_x, held_y)
     ema.copy_to(unet.parameters())
     ema_heldout = heldout_loss(unet, scheduler, held_x, held_y)

@@ -30,9 +30,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specray.models.conditioning import TextConditionEmbedding
 from specray.models.pair import ModelPair
 
 PREFIX_ROPE_MODES = ("zeros", "identity")
+CONDITIONS = ("class", "text")
 
 
 @dataclass(frozen=True)
@@ -52,6 +54,9 @@ class GPTConfig:
     token_dropout_p: float = 0.0
     prefix_rope: str = "zeros"
     cls_token_num: int = 1
+    condition: str = "class"  # "class": a class label at position 0; "text": a prompt's features there
+    text_dim: int = 384  # width of the prompt features ("text" only)
+    text_encoder: str = "minilm"  # the encoder whose features the model was trained on ("text" only)
 
     def __post_init__(self) -> None:
         if self.dim % self.n_head:
@@ -61,7 +66,9 @@ class GPTConfig:
         if self.prefix_rope not in PREFIX_ROPE_MODES:
             raise ValueError(f"prefix_rope={self.prefix_rope!r}; allowed: {', '.join(PREFIX_ROPE_MODES)}")
         if self.cls_token_num != 1:
-            raise ValueError("cls_token_num must be 1 (class-conditional prefix)")
+            raise ValueError("cls_token_num must be 1 (one conditioning token)")
+        if self.condition not in CONDITIONS:
+            raise ValueError(f"condition={self.condition!r}; allowed: {', '.join(CONDITIONS)}")
 
     @property
     def head_dim(self) -> int:
@@ -283,7 +290,10 @@ class DiscreteGPT(nn.Module):
         super().__init__()
         self.config = config
         self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
-        self.cls_embedding = LabelEmbedding(config.num_classes, config.dim, config.class_dropout_prob)
+        if config.condition == "text":  # position 0 reads the batch's prompt features (null = num_classes)
+            self.cls_embedding = TextConditionEmbedding(config.text_dim, config.dim, config.num_classes)
+        else:
+            self.cls_embedding = LabelEmbedding(config.num_classes, config.dim, config.class_dropout_prob)
         self.tok_dropout = nn.Dropout(config.token_dropout_p)
         self.layers = nn.ModuleList(TransformerBlock(config) for _ in range(config.n_layer))
         self.norm = RMSNorm(config.dim, config.norm_eps)
@@ -458,9 +468,7 @@ def load_model(name_or_path: str | Path | dict, device: torch.device | str = "cp
     import json
 
     if isinstance(name_or_path, dict):
-        from specray.families import load_formatted_model
-
-        return load_formatted_model("discrete_ar", name_or_path, device)
+        return load_generator(name_or_path, device)[0]
 
     from safetensors import safe_open
     from safetensors.torch import load_file
@@ -492,15 +500,32 @@ def load_model(name_or_path: str | Path | dict, device: torch.device | str = "cp
     return model.to(device).eval()
 
 
+def load_generator(ref: str | Path | dict, device: torch.device | str) -> tuple[DiscreteGPT, Any, dict[str, Any]]:
+    """The GPT, the image decoder of its tokens (None: the tokens are the presets' grey levels) and
+    what the loader reports, for a preset, a ``.safetensors`` path or a ``{format: ...}`` reference."""
+    if isinstance(ref, dict):
+        from specray.families import load_formatted_model
+
+        loaded = load_formatted_model("discrete_ar", ref, device)
+        if isinstance(loaded, nn.Module):  # a format whose loader returns the model alone (a GPT, a head)
+            return loaded, None, {}
+        return loaded.gpt, loaded.decoder, loaded.info  # a release: the GPT and its tokenizer
+    return load_model(ref, device), None, {}
+
+
 def load_pair(target: str | dict, draft: str | dict | None, device: torch.device | str) -> ModelPair:
-    """Target and draft GPTs on ``device`` plus the info the discrete loop needs."""
+    """Target and draft GPTs on ``device`` plus the info the discrete loop needs.
+
+    A release's tokenizer (the target's) decodes the images: ``info["image_decoder"]``, and its
+    L2-normalised VQ codebook is ``info["codebook"]`` (token latents, e.g. for LANTERN neighbourhoods).
+    """
     from specray.models.refs import ref_key
 
     device = torch.device(device)
-    target_model = load_model(target, device)
+    target_model, decoder, target_info = load_generator(target, device)
     if not isinstance(target_model, DiscreteGPT):
         raise ValueError(f"target {target!r} is a {type(target_model).__name__}, not a GPT; an EAGLE head can only be a draft")
-    draft_model = load_model(draft, device) if draft is not None else None
+    draft_model = load_generator(draft, device)[0] if draft is not None else None
     tc = target_model.config
     draft_kind = None if draft_model is None else "gpt"
     if draft_model is not None and not isinstance(draft_model, DiscreteGPT):
@@ -524,7 +549,10 @@ def load_pair(target: str | dict, draft: str | dict | None, device: torch.device
         "target_config": asdict(tc),
         "draft_config": asdict(draft_model.config) if draft_model is not None else None,
         "draft_kind": draft_kind,
-        "tokenizer": "identity_digits",
+        "tokenizer": "identity_digits" if decoder is None else "vq",
+        "image_decoder": decoder,
+        "codebook": decoder.codebook() if decoder is not None else None,
+        "target_loader": target_info,
     }
     return ModelPair(
         family="discrete_ar",

@@ -52,9 +52,14 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
 
 @torch.no_grad()
 def heldout_nll(model: DiscreteGPT, seed: int = 0) -> float:
-    """Mean NLL (nats/token) of the held-out split under the conditional model (no CFG)."""
+    """Mean NLL (nats/token) of the held-out split under the conditional model (no CFG); a
+    text-conditioned model reads each image's first caption."""
     images, labels = load_digits_split("heldout", seed=0)
     tokens = image_tokens(images)
+    if model.config.condition == "text":
+        from specray.models.text_training import caption_bank
+
+        labels = caption_bank("heldout").conditions(model, torch.arange(labels.shape[0]))
     was_training = model.training
     model.eval()
     logits = model(labels, tokens)
@@ -73,6 +78,13 @@ def train_model(
     tokens = image_tokens(images)
     n = tokens.shape[0]
     model = DiscreteGPT(model_config)
+    if model_config.condition == "text":  # captions in the place of labels (the class path draws nothing more)
+        from specray.models.text_training import caption_bank
+
+        bank = caption_bank("train")
+        conditions = lambda idx: bank.conditions(model, idx, generator)  # noqa: E731
+    else:
+        conditions = lambda idx: labels[idx]  # noqa: E731
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     optimizer = torch.optim.AdamW(
@@ -94,7 +106,7 @@ def train_model(
         drop = torch.rand(idx.shape[0], generator=generator) < model_config.class_dropout_prob
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, train_config)
-        logits = model(labels[idx], tokens[idx], drop_class=drop)
+        logits = model(conditions(idx), tokens[idx], drop_class=drop)
         loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[idx].reshape(-1))
         optimizer.zero_grad(set_to_none=True)
         loss.backward()

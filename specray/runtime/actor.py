@@ -27,7 +27,7 @@ from specray.models.pair import ModelPair
 from specray.models.refs import ref_from_key
 from specray.runtime.images import image_cell
 from specray.runtime.plan import ShardPlan, ShardTask, shard_relpath
-from specray.runtime.store import CommittedFile, RunStore, rows_to_table
+from specray.runtime.store import RunStore, ShardIdentity, rows_to_table
 from specray.spec import ArmSpec, JobSpec
 
 log = logging.getLogger(__name__)
@@ -55,6 +55,12 @@ def _ray_gpu_ids() -> list[str]:
         return [str(g) for g in ray.get_gpu_ids()]
     except Exception:
         return []
+
+
+class DeterministicFailure(RuntimeError):
+    """A failure that the same input reproduces on any actor: a checkpoint a loader refuses, a bad
+    parameter. The coordinator fails the job at once, naming the shard and the cause, instead of
+    retrying it (actor deaths, lost nodes and device errors are retried as before)."""
 
 
 class DeviceFailure(RuntimeError):
@@ -89,7 +95,7 @@ class ShardWorker:
     def __init__(self, spec: JobSpec, storage_options: dict[str, Any] | None = None):
         self.spec = spec
         self.plan = ShardPlan.of(spec)
-        self.store = RunStore(spec.output, storage_options)
+        self.store = RunStore(spec.output, storage_options, run_tag=spec.fingerprint())
         self.device = assigned_device()
         if self.device.type == "cpu":
             # One intra-op thread per CPU Ray gave us: actors on one node must not oversubscribe it.
@@ -113,10 +119,24 @@ class ShardWorker:
 
     def run_task(self, task: ShardTask) -> list[dict[str, Any]]:
         """Generate every arm of ``task`` on its shard and commit the files; returns their records."""
+        for kind, value in self.run_task_stream(task):
+            if kind == "done":
+                return value
+        raise RuntimeError(f"{task.label}: the task ended without committing")  # unreachable
+
+    def run_task_stream(self, task: ShardTask):
+        """:meth:`run_task` as a stream: ``("rows", n)`` after each batch of each arm (progress), then
+        ``("done", records)``. The coordinator calls it as a Ray streaming generator."""
         if self._broken is not None:
             raise DeviceFailure(f"actor {self.actor} had a device failure earlier ({self._broken}); not reusing it")
         try:
-            return [f.to_dict() for f in self._run(task)]
+            steps = self._run(task)
+            while True:
+                try:
+                    yield "rows", next(steps)
+                except StopIteration as finished:
+                    yield "done", [f.to_dict() for f in finished.value]
+                    return
         except BaseException as exc:
             if is_fatal_device_error(exc):
                 self._broken = f"{type(exc).__name__}: {exc}"
@@ -127,13 +147,22 @@ class ShardWorker:
     def _pair(self, key: tuple[str, str, str | None]) -> ModelPair:
         if key not in self._pairs:
             family, target, draft = key
-            self._pairs[key] = FAMILIES[family].load_pair()(ref_from_key(target), ref_from_key(draft), self.device)
+            try:
+                self._pairs[key] = FAMILIES[family].load_pair()(ref_from_key(target), ref_from_key(draft), self.device)
+            except Exception as exc:
+                if is_fatal_device_error(exc) or _is_transient_io(exc):
+                    raise
+                raise DeterministicFailure(f"loading {family} models target={target!r} draft={draft!r} failed: "
+                                           f"{type(exc).__name__}: {exc}") from exc
         return self._pairs[key]
 
     def _method(self, arm: ArmSpec) -> tuple[Method, MethodParams]:
         """The arm's method entry and typed parameters (the spec validated them; this only types them)."""
         if arm.name not in self._methods:
-            self._methods[arm.name] = resolve(arm.family, arm.method, arm.params)
+            try:
+                self._methods[arm.name] = resolve(arm.family, arm.method, arm.params)
+            except (KeyError, TypeError, ValueError) as exc:
+                raise DeterministicFailure(f"arm {arm.name!r}: parameters refused: {exc}") from exc
         return self._methods[arm.name]
 
     def _timed_batch(self, run_batch, arm: ArmSpec, pair: ModelPair, labels: torch.Tensor,
@@ -146,7 +175,8 @@ class ShardWorker:
             torch.cuda.synchronize(pair.device)
         return result, time.perf_counter() - began
 
-    def _run(self, task: ShardTask) -> list[CommittedFile]:
+    def _run(self, task: ShardTask):
+        """A generator: yields the rows of each batch as it is done, returns the committed files."""
         relpaths = {arm.name: shard_relpath(arm.name, task.shard.index, task.shard.num_shards) for arm in task.arms}
         # A retry after a death between commit and reply finds some files already there: they hold
         # exactly what this run would write (samples are pure functions of seed and id), so keep them.
@@ -154,6 +184,8 @@ class ShardWorker:
         arms = [arm for arm in task.arms if arm.name not in done]
         if not arms:
             return [done[arm.name] for arm in task.arms]
+        for arm in arms:
+            self._method(arm)  # a refused parameter fails before any model is loaded
         pair = self._pair(task.group_key)
         run_batch = FAMILIES[task.group_key[0]].loop()
         rows: dict[str, list[dict[str, Any]]] = {arm.name: [] for arm in arms}
@@ -164,8 +196,11 @@ class ShardWorker:
             for arm in arms:
                 result, wall = self._timed_batch(run_batch, arm, pair, labels, sample_ids)
                 rows[arm.name].extend(self._rows(arm, result, wall, sample_ids, labels))
+                yield len(sample_ids)
+        fingerprint = self.spec.fingerprint()
         for arm in arms:
-            done[arm.name] = self.store.write_shard(relpaths[arm.name], rows_to_table(rows.pop(arm.name)))
+            identity = ShardIdentity(fingerprint, arm.name, task.shard.index, task.shard.num_shards)
+            done[arm.name] = self.store.write_shard(relpaths[arm.name], rows_to_table(rows.pop(arm.name)), identity)
         return [done[arm.name] for arm in task.arms]
 
     def arm_seed(self, arm: ArmSpec) -> int:
@@ -198,6 +233,12 @@ class ShardWorker:
                 "extra_stats": json.dumps(extra, sort_keys=True, default=_json_default),
             })
         return rows
+
+
+def _is_transient_io(exc: BaseException) -> bool:
+    """An I/O error that may pass (a network filesystem hiccup), as opposed to a missing or refused file."""
+    return isinstance(exc, OSError) and not isinstance(exc, (FileNotFoundError, IsADirectoryError,
+                                                             NotADirectoryError, PermissionError))
 
 
 def _json_default(value: Any) -> Any:

@@ -15,6 +15,7 @@ is bounded by the number of shards and actors, not by the number of samples.
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import os
 import platform
@@ -29,7 +30,8 @@ import torch
 
 import specray
 from specray.runtime import fs as storage
-from specray.runtime.plan import ShardPlan, ShardTask, shard_relpath
+from specray.runtime.lease import OutputLease
+from specray.runtime.plan import SAMPLES_DIR, ShardPlan, ShardTask, shard_relpath
 from specray.runtime.progress import Progress
 from specray.runtime.store import JOB_RECORD_NAME, MANIFEST_NAME, CommittedFile, RunStore
 from specray.spec import JobSpec, SpecError, with_output
@@ -37,7 +39,8 @@ from specray.spec import JobSpec, SpecError, with_output
 log = logging.getLogger("specray.runtime")
 
 MANIFEST_FORMAT = 1
-STARVED_WARNING_S = 60.0
+FIRST_WAIT_NOTICE_S = 5.0  # say that the job waits for nodes this soon after it starts waiting
+STARVED_WARNING_S = 30.0  # then repeat it this often while nothing runs
 
 
 class ShardFailedError(RuntimeError):
@@ -63,12 +66,18 @@ class RunResult:
 
 
 def plan_tasks(spec: JobSpec, plan: ShardPlan, store: RunStore) -> tuple[list[ShardTask], int]:
-    """Tasks still to run (arms whose file is missing), and the number of rows already committed."""
+    """Tasks still to run (arms whose file is missing), and the number of rows already committed.
+
+    One listing of ``samples/`` (not one existence check per file: on S3 that is one request per
+    thousand files instead of one per file); shards are visited one at a time, never listed.
+    """
+    committed = set(store.list_files("samples"))
+    groups = spec.arm_groups()
     tasks: list[ShardTask] = []
     committed_rows = 0
-    for shard in plan.shards():
-        for key, arms in spec.arm_groups():
-            missing = tuple(a for a in arms if not store.is_committed(shard_relpath(a.name, shard.index, shard.num_shards)))
+    for shard in plan.iter_shards():
+        for key, arms in groups:
+            missing = tuple(a for a in arms if shard_relpath(a.name, shard.index, shard.num_shards) not in committed)
             committed_rows += shard.num_samples * (len(arms) - len(missing))
             if missing:
                 tasks.append(ShardTask(shard=shard, group_key=key, arms=missing))
@@ -84,6 +93,10 @@ def check_resume(spec: JobSpec, plan: ShardPlan, store: RunStore) -> dict[str, A
                                       "it is not a specray run of this job. Choose another output")
         return None
     where = f"output {spec.output!r} holds a run of a different job"
+    if any(path.startswith(f"{SAMPLES_DIR}/arm=") for path in store.list_files(SAMPLES_DIR)):
+        raise SpecError("output", f"output {spec.output!r} holds a run written with samples/arm=<arm>/ folders "
+                                  "by an earlier specray; this one writes samples/<arm>/, and resuming would "
+                                  "leave both. Choose another output (the old run still reduces as it is)")
     if previous.get("format") != MANIFEST_FORMAT:
         raise SpecError("output", f"{where} (record format {previous.get('format')}); choose another output")
     old, new = previous["sample_determining"], spec.sample_determining()
@@ -133,8 +146,85 @@ def connect_ray(ray_address: str | None = None, num_cpus: int | None = None) -> 
     if os.environ.get("RAY_ADDRESS"):
         ray.init()
         return False
-    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False)
+    with _loopback_only():
+        ray.init(address="local", num_cpus=num_cpus, include_dashboard=False)
     return True
+
+
+def _started_by_this_process() -> bool:
+    """Whether this process's ``ray.init`` started the Ray instance it is connected to (a fixed local
+    instance: no autoscaler, nothing to wait for) rather than joining a cluster."""
+    node = getattr(ray._private.worker, "_global_node", None)
+    return bool(node is not None and getattr(node, "head", False))
+
+
+def actor_bundle(spec: JobSpec) -> dict[str, float]:
+    """What one generation actor asks the cluster for."""
+    bundle = {"CPU": spec.num_cpus_per_actor}
+    if spec.num_gpus_per_actor > 0:
+        bundle["GPU"] = spec.num_gpus_per_actor
+    return {k: v for k, v in bundle.items() if v > 0}
+
+
+def pool_size_for(spec: JobSpec, wanted: str | int, num_tasks: int, *, own_ray: bool,
+                  resources: dict[str, float]) -> int:
+    """How many generation actors to start.
+
+    ``actors: auto`` on a Ray instance of our own is what it offers (it cannot grow; nothing fitting
+    is refused now). On a cluster it is one actor per task still to run: the actors the cluster
+    cannot place yet wait, and the autoscaler is asked for them (:func:`request_capacity`), so
+    nodes that start later take work as they arrive. An explicit count is taken as given.
+    """
+    if wanted == "auto":
+        wanted = default_actor_count(spec, resources) if own_ray else num_tasks
+    return max(1, min(int(wanted), num_tasks))
+
+
+def request_capacity(spec: JobSpec, pool_size: int) -> None:
+    """Ask the cluster's autoscaler for one bundle per actor (replaces any earlier request of this driver)."""
+    from ray.autoscaler.sdk import request_resources
+
+    bundles = [actor_bundle(spec)] * pool_size
+    request_resources(bundles=bundles)
+    log.info("asked the autoscaler for %d x %s (one bundle per generation actor)", pool_size, bundles[0])
+
+
+def release_capacity() -> None:
+    """Withdraw this driver's request, so the autoscaler may scale the nodes down when they idle."""
+    from ray.autoscaler.sdk import request_resources
+
+    try:
+        request_resources(bundles=[])
+    except Exception as exc:  # the cluster may be gone; nothing to withdraw then
+        log.debug("could not withdraw the resource request: %s", exc)
+@contextlib.contextmanager
+def _loopback_only():
+    """Make the local Ray instance listen on 127.0.0.1 only.
+
+    Ray gives a node its routable address and then its GCS, raylet and workers listen on every
+    interface; ``ray.init`` turns an explicit 127.0.0.1 back into that address. Ray's switch for
+    single-machine use (the one it sets by itself on macOS and Windows) makes it pick 127.0.0.1,
+    and with that node address its servers bind to loopback. Nothing outside this machine needs
+    them: a job that spans machines joins a cluster (``--ray-address``) and never comes here.
+    """
+    try:
+        from ray._private import ray_constants
+    except ImportError:  # a Ray without the switch: start it as Ray chooses (token auth still guards it)
+        log.warning("this Ray has no single-machine switch; the local Ray instance listens on all interfaces")
+        yield
+        return
+    name = getattr(ray_constants, "ENABLE_RAY_CLUSTERS_ENV_VAR", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER")
+    saved_env, saved_flag = os.environ.get(name), getattr(ray_constants, "ENABLE_RAY_CLUSTER", True)
+    os.environ[name] = "0"  # read by the processes Ray spawns
+    ray_constants.ENABLE_RAY_CLUSTER = False  # read by this process's ray.init
+    try:
+        yield
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = saved_flag
+        if saved_env is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = saved_env
 
 
 def default_actor_count(spec: JobSpec, resources: dict[str, float]) -> int:
@@ -157,8 +247,13 @@ def default_actor_count(spec: JobSpec, resources: dict[str, float]) -> int:
 
 def run_job(spec: JobSpec, *, ray_address: str | None = None, num_cpus: int | None = None,
             actors: int | None = None, storage_options: dict[str, Any] | None = None,
-            show_progress: bool = True) -> RunResult:
-    """Run ``spec`` to completion (resuming from committed shards) and write the manifest."""
+            show_progress: bool = True, lease: OutputLease | None = None) -> RunResult:
+    """Run ``spec`` to completion (resuming from committed shards) and write the manifest.
+
+    The run holds the output's lease (:mod:`specray.runtime.lease`) from before it reads the output
+    until it returns; a second run of the same output is refused with :class:`OutputBusyError`.
+    ``lease``: one the caller already holds on ``spec.output`` (dataset jobs hold theirs longer).
+    """
     started = time.time()
     # The spec's storage options (endpoint, region; never credentials), then the caller's on top.
     storage_options = {**getattr(spec, "storage_options", {}), **(storage_options or {})} or None
@@ -170,9 +265,23 @@ def run_job(spec: JobSpec, *, ray_address: str | None = None, num_cpus: int | No
         storage.check_writable(spec.output, storage_options)
     except storage.StorageError as exc:
         raise SpecError("output", str(exc)) from None
-    store = RunStore(spec.output, storage_options)
+    store = RunStore(spec.output, storage_options, run_tag=spec.fingerprint())
+    owned = lease is None
+    if owned:
+        lease = OutputLease(store, job_id=spec.job_id, fingerprint=spec.fingerprint()).acquire()
+    try:
+        return _run_leased(spec, plan, store, lease, started, ray_address=ray_address, num_cpus=num_cpus,
+                           actors=actors, storage_options=storage_options, show_progress=show_progress)
+    finally:
+        if owned:
+            lease.release()
+
+
+def _run_leased(spec: JobSpec, plan: ShardPlan, store: RunStore, lease: OutputLease, started: float, *,
+                ray_address: str | None, num_cpus: int | None, actors: int | None,
+                storage_options: dict[str, Any] | None, show_progress: bool) -> RunResult:
     check_resume(spec, plan, store)
-    store.remove_stale_temps()
+    store.remove_stale_temps()  # this job's own leftovers only (their names carry its fingerprint)
     tasks, committed_rows = plan_tasks(spec, plan, store)
     total_rows = plan.num_samples * len(spec.arms)
     log.info("job %s: %d samples x %d arms = %d rows in %d shards; %d rows already committed, %d tasks to run",
@@ -180,19 +289,23 @@ def run_job(spec: JobSpec, *, ray_address: str | None = None, num_cpus: int | No
 
     written: dict[str, CommittedFile] = {}
     retries, replaced, pool_size, devices, startup = 0, 0, 0, [], 0.0
+    own_ray = True
     started_ray = connect_ray(ray_address, num_cpus) if tasks else False
     try:
         if tasks:
             wanted = actors if actors is not None else spec.actors
-            if wanted == "auto":
-                wanted = default_actor_count(spec, ray.cluster_resources())  # may refuse: nothing written yet
-            pool_size = min(int(wanted), len(tasks))
+            own_ray = started_ray or _started_by_this_process()
+            # may refuse (a Ray of our own that lacks the resources): nothing written yet
+            pool_size = pool_size_for(spec, wanted, len(tasks), own_ray=own_ray, resources=ray.cluster_resources())
+            if not own_ray:
+                request_capacity(spec, pool_size)
             if store.is_committed(MANIFEST_NAME):
                 store.delete(MANIFEST_NAME)  # the manifest means "complete"; it is not, until the end
         store.write_json(JOB_RECORD_NAME, job_record(spec, plan))
         if tasks:
             with Progress(total_rows, committed_rows, enabled=show_progress) as progress:
-                dispatcher = _Dispatcher(spec, storage_options, pool_size, progress)
+                dispatcher = _Dispatcher(spec, storage_options, pool_size, progress, lease,
+                                         first_notice_s=STARVED_WARNING_S if own_ray else FIRST_WAIT_NOTICE_S)
                 try:
                     written = dispatcher.run(tasks)
                 finally:
@@ -201,11 +314,14 @@ def run_job(spec: JobSpec, *, ray_address: str | None = None, num_cpus: int | No
                 retries, replaced, devices = dispatcher.retries, dispatcher.replaced, dispatcher.devices
                 startup = dispatcher.startup_s
     finally:
+        if tasks and not own_ray and ray.is_initialized():
+            release_capacity()
         if started_ray:
             ray.shutdown()
 
     manifest = build_manifest(spec, plan, store, written, started=started, retries=retries,
                               actors=pool_size, devices=devices, tasks_run=len(tasks))
+    lease.check()  # a run whose lease was taken over must not claim the output is complete
     store.write_json(MANIFEST_NAME, manifest)
     wall = time.time() - started
     log.info("job %s complete in %.1f s: %d tasks run, %d retries; manifest at %s",
@@ -227,8 +343,11 @@ class _Dispatcher:
     hostage: the others take the queue while it waits for resources.
     """
 
-    def __init__(self, spec: JobSpec, storage_options: dict[str, Any] | None, pool_size: int, progress: Progress):
+    def __init__(self, spec: JobSpec, storage_options: dict[str, Any] | None, pool_size: int, progress: Progress,
+                 lease: OutputLease | None = None, first_notice_s: float = STARVED_WARNING_S):
         self.spec = spec
+        self.lease = lease
+        self.first_notice_s = first_notice_s  # on a cluster, say soon that the job waits for nodes
         self.storage_options = storage_options
         self.progress = progress
         self.retries = 0
@@ -240,6 +359,7 @@ class _Dispatcher:
         self._starting: dict[Any, int] = {}  # info ref -> actor id, until the actor is placed and constructed
         self._idle: collections.deque[int] = collections.deque()
         self._start_failures = 0
+        self._said_waiting = False
         self._created = time.monotonic()
         self.startup_s = 0.0
         self._max_start_failures = 3 * pool_size + spec.max_shard_retries
@@ -262,12 +382,16 @@ class _Dispatcher:
         pending = collections.deque(range(len(tasks)))
         failures: dict[int, int] = collections.Counter()
         avoid: dict[int, set[int]] = collections.defaultdict(set)  # task -> actors it failed on
-        in_flight: dict[Any, tuple[int, int]] = {}  # ref -> (actor id, task index)
+        # A task runs as a Ray streaming generator: ("rows", n) per batch of each arm, then ("done", records).
+        in_flight: dict[Any, tuple[int, int]] = {}  # generator -> (actor id, task index)
+        counted: dict[int, int] = collections.Counter()  # task -> rows shown as done before it committed
         written: dict[str, CommittedFile] = {}
         failure: ShardFailedError | None = None
         waiting_since = time.monotonic()
 
         while pending or in_flight:
+            if self.lease is not None:
+                self.lease.check()
             self._assign(tasks, pending, in_flight, avoid)
             ready, _ = ray.wait([*in_flight, *self._starting], num_returns=1, timeout=1.0)
             self.progress.tick()
@@ -275,20 +399,27 @@ class _Dispatcher:
                 waiting_since = self._warn_if_starved(in_flight, waiting_since)
                 continue
             waiting_since = time.monotonic()
-            ref = ready[0]
-            if ref in self._starting:
-                self._on_started(ref)
+            if ready[0] in self._starting:
+                self._on_started(ready[0])
                 continue
-            actor_id, index = in_flight.pop(ref)
+            stream = ready[0]
+            actor_id, index = in_flight[stream]
             task = tasks[index]
             try:
-                records = ray.get(ref)
-            except ray.exceptions.RayError as exc:
+                kind, value = ray.get(next(stream))
+            except (ray.exceptions.RayError, StopIteration) as exc:
+                in_flight.pop(stream)
+                self.progress.retract(counted.pop(index, 0))  # those rows run again
+                if _is_deterministic(exc):
+                    # The same input fails the same way on any actor: stop now instead of retrying.
+                    raise ShardFailedError(f"{task.label} failed and is not retried (the same input fails the "
+                                           f"same way every time): {_short_error(exc)}. Shards already "
+                                           "committed stay valid: fix the cause and rerun the job to resume") from None
                 failures[index] += 1
                 self.retries += 1
                 self.progress.retry()
                 avoid[index].add(actor_id)
-                reason = _short_error(exc)
+                reason = _short_error(exc) if isinstance(exc, ray.exceptions.RayError) else "the task ended early"
                 self._after_failure(actor_id, task, exc, reason)
                 if failures[index] > self.spec.max_shard_retries:
                     # Let the shards in flight finish (their commits are valid), then fail.
@@ -302,10 +433,15 @@ class _Dispatcher:
                             task.label, actor_id, failures[index], reason)
                 pending.appendleft(index)
                 continue
-            for record in records:
+            if kind == "rows":
+                counted[index] += value
+                self.progress.advance(value)
+                continue
+            in_flight.pop(stream)
+            for record in value:
                 committed = CommittedFile(**record)
                 written[committed.path] = committed
-            self.progress.advance(task.num_rows)
+            self.progress.advance(task.num_rows - counted.pop(index, 0))
             self._idle.append(actor_id)
         if failure is not None:
             raise failure
@@ -360,7 +496,8 @@ class _Dispatcher:
                     continue
                 choice = first
             pending.remove(choice)
-            in_flight[self.actors[actor_id].run_task.remote(tasks[choice])] = (actor_id, choice)
+            stream = self.actors[actor_id].run_task_stream.options(num_returns="streaming").remote(tasks[choice])
+            in_flight[stream] = (actor_id, choice)
 
     def _replace(self, actor_id: int) -> None:
         handle = self.actors.pop(actor_id)
@@ -371,12 +508,17 @@ class _Dispatcher:
         self._start_actor()
 
     def _warn_if_starved(self, in_flight: dict[Any, tuple[int, int]], since: float) -> float:
-        """Nothing finished for a while and nothing runs: say that the job waits for cluster resources."""
-        if in_flight or time.monotonic() - since < STARVED_WARNING_S:
+        """Nothing runs: say that the job waits for the cluster to place its actors (soon, then now and then)."""
+        waited = time.monotonic() - since
+        first = not self._said_waiting
+        if in_flight or waited < (self.first_notice_s if first else STARVED_WARNING_S):
             return since
-        log.warning("no generation actor is running: %d actors wait to be placed (the cluster lacks the "
-                    "resources they ask for: num_cpus=%s, num_gpus=%s); available: %s", len(self._starting),
-                    self.spec.num_cpus_per_actor, self.spec.num_gpus_per_actor, ray.available_resources())
+        self._said_waiting = True
+        placed = len(self.actors) - len(self._starting)
+        log.warning("waiting for the cluster: %d of %d generation actors placed, %d wait for a node with %s free "
+                    "(the autoscaler was asked for them; nodes may take minutes to start); available now: %s",
+                    placed, len(self.actors), len(self._starting), actor_bundle(self.spec),
+                    _short_resources(ray.available_resources()))
         return time.monotonic()
 
     def shutdown(self) -> None:
@@ -385,6 +527,15 @@ class _Dispatcher:
         self.actors.clear()
         self._starting.clear()
         self._idle.clear()
+
+
+def _short_resources(resources: dict[str, float]) -> dict[str, float]:
+    """CPU, GPU and memory of a resource dict (not Ray's per-node bookkeeping entries)."""
+    return {k: round(v, 2) for k, v in resources.items() if k in ("CPU", "GPU") or k.startswith("accelerator_type")}
+def _is_deterministic(exc: BaseException) -> bool:
+    from specray.runtime.actor import DeterministicFailure
+
+    return isinstance(exc, ray.exceptions.RayTaskError) and isinstance(exc.cause, DeterministicFailure)
 
 
 def _short_error(exc: BaseException) -> str:
@@ -403,7 +554,7 @@ def build_manifest(spec: JobSpec, plan: ShardPlan, store: RunStore, written: dic
     """Count every committed (arm, shard) file; fail if one is missing or has the wrong row count."""
     shards = []
     for arm in spec.arms:
-        for shard in plan.shards():
+        for shard in plan.iter_shards():
             path = shard_relpath(arm.name, shard.index, shard.num_shards)
             committed = written.get(path) or store.describe(path)
             if committed.rows != shard.num_samples:

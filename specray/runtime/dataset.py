@@ -35,6 +35,7 @@ import yaml
 
 import specray
 from specray.runtime import fs as storage
+from specray.runtime.lease import OutputLease
 from specray.runtime.store import SAMPLE_SCHEMA, RunStore
 from specray.spec import JobSpec, SpecError, with_output
 
@@ -72,8 +73,6 @@ def run_dataset_job(spec: JobSpec, *, ray_address: str | None = None, num_cpus: 
                     actors: int | None = None, storage_options: dict[str, Any] | None = None,
                     show_progress: bool = True) -> DatasetResult:
     """Generate (or resume) the spec's partition, publish it under ``data/``, and rewrite the card."""
-    from specray.runtime.coordinator import run_job
-
     if spec.dataset is None:
         raise SpecError("dataset", "this job has no dataset section; use specray.run_job for an evaluation run")
     if "://" not in spec.output and not os.path.isabs(spec.output):
@@ -84,9 +83,19 @@ def run_dataset_job(spec: JobSpec, *, ray_address: str | None = None, num_cpus: 
     except storage.StorageError as exc:
         raise SpecError("output", str(exc)) from None
     root = RunStore(spec.output, options)
-    record_path = partition_relpath(spec, PARTITION_RECORD)
     staging = storage.join(spec.output, STAGING_DIR, spec.dataset.partition_dir)
+    # One writer per partition, from the first look at it to the last published file.
+    with OutputLease(RunStore(staging, options), job_id=spec.job_id, fingerprint=spec.fingerprint()) as lease:
+        return _publish_leased(spec, root, staging, options, lease, ray_address=ray_address, num_cpus=num_cpus,
+                               actors=actors, show_progress=show_progress)
 
+
+def _publish_leased(spec: JobSpec, root: RunStore, staging: str, options: dict[str, Any] | None, lease: Any, *,
+                    ray_address: str | None, num_cpus: int | None, actors: int | None,
+                    show_progress: bool) -> DatasetResult:
+    from specray.runtime.coordinator import run_job
+
+    record_path = partition_relpath(spec, PARTITION_RECORD)
     record = root.read_json(record_path)
     if record is not None:
         if record.get("fingerprint") != spec.fingerprint():
@@ -101,7 +110,7 @@ def run_dataset_job(spec: JobSpec, *, ray_address: str | None = None, num_cpus: 
                              record["num_rows"], True, record)
 
     result = run_job(with_output(spec, staging), ray_address=ray_address, num_cpus=num_cpus, actors=actors,
-                     storage_options=options, show_progress=show_progress)
+                     storage_options=options, show_progress=show_progress, lease=lease)
     record = publish_partition(spec, root, RunStore(staging, options), result.manifest)
     _remove_tree(staging, options)
     write_card(spec, root)

@@ -23,17 +23,18 @@ import re
 import uuid
 from collections.abc import Iterator, Mapping
 from typing import IO, Any
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import urlsplit
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
+
+from specray.urls import CREDENTIALS_BELONG, REDACTED, has_userinfo, redact_url, redact_urls
 
 S3_SCHEME = "s3://"
 FILE_SCHEME = "file://"
 ALLOWED_URI_FORMS = "a local path, file://PATH, or s3://BUCKET/PREFIX"
 ENDPOINT_ENV_VARS = ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL")  # most specific first, as botocore does
 PROBE_PREFIX = ".specray-write-probe-"
-REDACTED = "<redacted>"
 
 # botocore / S3 error codes that mean "the credentials were refused" (as opposed to a missing bucket).
 CREDENTIAL_ERROR_CODES = frozenset(
@@ -77,12 +78,13 @@ def _validate_uri(uri: str) -> None:
     if not isinstance(uri, (str, os.PathLike)) or not str(uri).strip():
         raise StorageError(f"storage URI must be a non-empty string ({ALLOWED_URI_FORMS}), got {uri!r}")
     scheme = _scheme_of(str(uri))
+    shown = redact_url(str(uri))
     if scheme not in (None, "file", "s3"):
-        raise StorageError(
-            f"unsupported URI scheme {scheme + '://'!r} in {str(uri)!r}; allowed: {ALLOWED_URI_FORMS}"
-        )
+        raise StorageError(f"unsupported URI scheme {scheme + '://'!r} in {shown!r}; allowed: {ALLOWED_URI_FORMS}")
+    if scheme is not None and has_userinfo(str(uri)):
+        raise StorageError(f"{shown!r} carries credentials in the URL; {CREDENTIALS_BELONG}")
     if scheme == "s3" and not str(uri)[len(S3_SCHEME):].split("/", 1)[0]:
-        raise StorageError(f"S3 URI {str(uri)!r} has no bucket; expected s3://BUCKET/PREFIX")
+        raise StorageError(f"S3 URI {shown!r} has no bucket; expected s3://BUCKET/PREFIX")
 
 
 def join(base: str, *parts: str) -> str:
@@ -249,11 +251,17 @@ def _fsync_directory(directory: str) -> None:
         os.close(fd)
 
 
+def temp_name(name: str, tag: str = "") -> str:
+    """The dot-prefixed temp name a writer of ``name`` uses; ``tag`` (a run's identity) lets that run
+    recognise its own leftovers and leave every other file alone."""
+    return f".{name}.tmp-{tag + '-' if tag else ''}{uuid.uuid4().hex}"
+
+
 @contextlib.contextmanager
-def _local_atomic_writer(path: str) -> Iterator[IO[bytes]]:
+def _local_atomic_writer(path: str, tag: str = "") -> Iterator[IO[bytes]]:
     directory, name = os.path.split(path)
     os.makedirs(directory, exist_ok=True)
-    tmp_path = os.path.join(directory, f".{name}.tmp-{uuid.uuid4().hex}")
+    tmp_path = os.path.join(directory, temp_name(name, tag))
     try:
         with open(tmp_path, "wb") as handle:
             yield handle
@@ -284,16 +292,18 @@ def _s3_atomic_writer(fs: fsspec.AbstractFileSystem, path: str, block_size: int 
 
 @contextlib.contextmanager
 def atomic_writer(
-    uri: str, storage_options: Mapping[str, Any] | None = None, *, block_size: int | None = None
+    uri: str, storage_options: Mapping[str, Any] | None = None, *, block_size: int | None = None,
+    temp_tag: str = "",
 ) -> Iterator[IO[bytes]]:
     """Binary file object whose content becomes visible at ``uri`` only if the block exits normally.
 
     Do not call ``close()`` on the yielded object yourself. ``block_size`` is the S3 multipart part
-    size (>= 5 MiB; s3fs default otherwise); it is ignored for local paths.
+    size (>= 5 MiB; s3fs default otherwise); it is ignored for local paths, where ``temp_tag`` goes
+    into the temp file's name (see :func:`temp_name`).
     """
     fs, path = resolve(uri, storage_options)
     if isinstance(fs, LocalFileSystem):
-        with _local_atomic_writer(path) as handle:
+        with _local_atomic_writer(path, temp_tag) as handle:
             yield handle
     else:
         with _s3_atomic_writer(fs, path, block_size) as handle:
@@ -343,13 +353,13 @@ def _scrub(text: str, storage_options: Mapping[str, Any] | None) -> str:
     for secret in secrets:
         if len(secret) >= 4:
             text = text.replace(secret, REDACTED)
-    return text
+    return redact_urls(text)
 
 
 def _s3_reason(exc: BaseException, uri: str, endpoint: str | None) -> str:
     code = _error_code(exc)
     bucket = _split_s3(uri)[0]
-    where = f" at endpoint {endpoint}" if endpoint else ""
+    where = f" at endpoint {redact_url(endpoint)}" if endpoint else ""
     if code in MISSING_BUCKET_CODES or (code is None and isinstance(exc, FileNotFoundError)):
         return f"bucket {bucket!r} does not exist{where} (create it first)"
     if code in CREDENTIAL_ERROR_CODES:
@@ -367,7 +377,7 @@ def _s3_reason(exc: BaseException, uri: str, endpoint: str | None) -> str:
     if code == "EndpointConnectionError":
         return f"cannot connect to the S3 endpoint{where or ' (AWS default)'}; check AWS_ENDPOINT_URL / network"
     if code == "ParamValidationError":
-        return f"invalid S3 bucket or key in {uri!r}"
+        return f"invalid S3 bucket or key in {redact_url(uri)!r}"
     detail = str(exc).splitlines()[0][:200] if str(exc) else ""
     return f"{type(exc).__name__}" + (f" ({code})" if code else "") + f"{where}" + (f": {detail}" if detail else "")
 
@@ -386,7 +396,7 @@ def _check_s3_writable(uri: str, storage_options: Mapping[str, Any] | None) -> N
         fs.rm_file(probe)
     except Exception as exc:  # noqa: BLE001 - every failure becomes one clear StorageError
         reason = _scrub(_s3_reason(exc, uri, s3_endpoint(storage_options)), storage_options)
-        raise StorageError(f"output {uri!r} cannot be written: {reason}") from None
+        raise StorageError(f"output {redact_url(uri)!r} cannot be written: {reason}") from None
 
 
 def _first_existing_ancestor(path: str) -> str:
@@ -449,7 +459,7 @@ def check_writable(uri: str, storage_options: Mapping[str, Any] | None = None) -
     try:
         _validate_uri(uri)
     except StorageError as exc:
-        raise StorageError(f"output {uri!r} cannot be written: {exc}") from None
+        raise StorageError(f"output {redact_url(str(uri))!r} cannot be written: {exc}") from None
     if is_s3(str(uri)):
         _check_s3_writable(str(uri), storage_options)
     else:
@@ -474,25 +484,10 @@ def _is_credential_key(name: Any) -> bool:
     words = _key_words(name)
     if "_".join(words) in _CREDENTIAL_EXACT_KEYS:
         return True
-    if any(w in _CREDENTIAL_WORDS for w in words):
+    # "<quantity> per token" (nats_per_token, ms_per_token) is a unit, not a credential
+    if any(w in _CREDENTIAL_WORDS and not (i and words[i - 1] == "per") for i, w in enumerate(words)):
         return True
     return any(pair in _CREDENTIAL_WORD_PAIRS for pair in zip(words, words[1:]))
-
-
-def _redact_url(text: str) -> str:
-    """Drop user:password from URLs such as https://user:pw@host/ ."""
-    if "://" not in text or "@" not in text:
-        return text
-    try:
-        parts = urlsplit(text)
-    except ValueError:
-        return text
-    if parts.username is None and parts.password is None:
-        return text
-    host = parts.hostname or ""
-    if parts.port:
-        host = f"{host}:{parts.port}"
-    return urlunsplit((parts.scheme, f"{REDACTED}@{host}", parts.path, parts.query, parts.fragment))
 
 
 def redact(obj: Any) -> Any:
@@ -507,5 +502,5 @@ def redact(obj: Any) -> Any:
     if isinstance(obj, (list, tuple)):
         return type(obj)(redact(v) for v in obj)
     if isinstance(obj, str):
-        return _redact_url(obj)
+        return redact_url(obj) if "://" in obj else obj
     return obj

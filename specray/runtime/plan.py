@@ -13,6 +13,7 @@ grow with the number of samples.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -88,8 +89,12 @@ class ShardPlan:
         start = index * self.shard_size
         return Shard(index, self.num_shards, start, min(start + self.shard_size, self.num_samples), self.batch_size)
 
+    def iter_shards(self) -> Iterator[Shard]:
+        """Every shard in order, one at a time (the plan never holds them all)."""
+        return (self.shard(k) for k in range(self.num_shards))
+
     def shards(self) -> list[Shard]:
-        return [self.shard(k) for k in range(self.num_shards)]
+        return list(self.iter_shards())
 
     def labels(self, sample_ids: "torch.Tensor") -> "torch.Tensor":
         import torch
@@ -109,7 +114,16 @@ class ShardPlan:
                 "shard_batches": self.shard_batches, "num_shards": self.num_shards}
 
 
+SAMPLES_DIR = "samples"
+
+
 def shard_relpath(arm: str, index: int, num_shards: int) -> str:
-    """Deterministic name of an (arm, shard) file, relative to the run's output."""
+    """Deterministic name of an (arm, shard) file, relative to the run's output.
+
+    The folder is the bare arm name, not a hive-style ``arm=<arm>``: every row already holds its
+    ``arm`` column, and a directory key of the same name makes pandas and ``pq.read_table`` refuse
+    ``samples/`` (a string column against a dictionary-typed partition key). Arm names never hold
+    ``=``, so no reader takes these folders for partition keys.
+    """
     width = max(5, len(str(num_shards)))
-    return f"samples/arm={arm}/shard-{index:0{width}d}-of-{num_shards:0{width}d}.parquet"
+    return f"{SAMPLES_DIR}/{arm}/shard-{index:0{width}d}-of-{num_shards:0{width}d}.parquet"

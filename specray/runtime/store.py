@@ -2,7 +2,8 @@
 
 A run directory (local path or ``s3://`` URI) holds
 
-- ``samples/arm=<arm>/shard-<k>-of-<K>.parquet`` -- one file per (arm, shard);
+- ``samples/<arm>/shard-<k>-of-<K>.parquet`` -- one file per (arm, shard); ``samples/`` is one
+  Parquet dataset (pandas, pyarrow, duckdb and ``datasets`` read it in one call);
 - ``_job.json`` -- written when a run starts: the spec and its fingerprint, so a
   rerun can check it may resume here;
 - ``_manifest.json`` -- written LAST, after every shard is committed.
@@ -21,6 +22,8 @@ import hashlib
 import io
 import json
 import os
+import re
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -32,7 +35,10 @@ from specray.runtime.images import IMAGE_TYPE
 
 MANIFEST_NAME = "_manifest.json"
 JOB_RECORD_NAME = "_job.json"
+LEASE_NAME = "_lease.json"
 TEMP_MARKER = ".tmp-"
+TEMP_TAG_PREFIX = "specray-"  # + the job fingerprint: whose temp file it is
+SHARD_IDENTITY_KEY = b"specray.shard"  # Parquet key-value metadata: which (job, arm, shard) a file holds
 S3_PART_SIZE = 8 * 1024 * 1024  # multipart part size for large files (S3 needs >= 5 MiB)
 
 # One row per (arm, sample): the design's Data section plus actor and extra_stats. This is the row
@@ -118,9 +124,42 @@ def with_huggingface_metadata(table: pa.Table) -> pa.Table:
     return table.replace_schema_metadata({**(table.schema.metadata or {}), b"huggingface": text.encode()})
 
 
-def table_to_parquet_bytes(table: pa.Table) -> bytes:
+@dataclass(frozen=True)
+class ShardIdentity:
+    """Which job, arm and shard a Parquet file holds, stored in the file's own metadata.
+
+    The reducer compares it with the manifest entry that lists the file, so a file copied over
+    another arm's or another job's (even with a manifest whose checksums were made to match) is
+    refused instead of scored.
+    """
+
+    job_fingerprint: str
+    arm: str
+    shard: int
+    num_shards: int
+
+    def to_json(self) -> bytes:
+        return json.dumps(asdict(self), sort_keys=True).encode()
+
+    @classmethod
+    def from_metadata(cls, metadata: Mapping[bytes, bytes] | None) -> "ShardIdentity | None":
+        """The identity in a file's schema metadata; None when absent or malformed."""
+        raw = (metadata or {}).get(SHARD_IDENTITY_KEY)
+        if raw is None:
+            return None
+        try:
+            data = json.loads(raw)
+            return cls(str(data["job_fingerprint"]), str(data["arm"]), int(data["shard"]), int(data["num_shards"]))
+        except (ValueError, KeyError, TypeError):
+            return None
+
+
+def table_to_parquet_bytes(table: pa.Table, identity: ShardIdentity | None = None) -> bytes:
+    table = with_huggingface_metadata(table)
+    if identity is not None:
+        table = table.replace_schema_metadata({**(table.schema.metadata or {}), SHARD_IDENTITY_KEY: identity.to_json()})
     buffer = io.BytesIO()
-    pq.write_table(with_huggingface_metadata(table), buffer, compression="zstd")
+    pq.write_table(table, buffer, compression="zstd")
     return buffer.getvalue()
 
 
@@ -146,11 +185,16 @@ class RunStore:
 
     part_size: int = S3_PART_SIZE
 
-    def __init__(self, output: str, storage_options: dict[str, Any] | None = None):
+    def __init__(self, output: str, storage_options: dict[str, Any] | None = None, *, run_tag: str = ""):
+        """``run_tag`` (the job fingerprint) names this run's temp files, so that its clean-up removes
+        only what a writer of this job left behind (never another program's files)."""
         self.output = output
         self.storage_options = storage_options
         self.fs, self.root = storage.resolve(output, storage_options)
         self.is_local = _is_local(self.fs)
+        if run_tag and not re.fullmatch(r"[A-Za-z0-9]+", run_tag):
+            raise ValueError(f"run_tag must be letters and digits, got {run_tag!r}")
+        self.temp_tag = f"{TEMP_TAG_PREFIX}{run_tag}" if run_tag else ""
 
     def uri(self, relpath: str) -> str:
         return storage.join(self.output, relpath)
@@ -192,12 +236,14 @@ class RunStore:
         """
         view = memoryview(data)
         block = self.part_size if len(view) > self.part_size else None
-        with storage.atomic_writer(self.uri(relpath), self.storage_options, block_size=block) as handle:
+        with storage.atomic_writer(self.uri(relpath), self.storage_options, block_size=block,
+                                   temp_tag=self.temp_tag) as handle:
             for start in range(0, len(view), self.part_size):
                 handle.write(view[start:start + self.part_size])
 
-    def write_shard(self, relpath: str, table: pa.Table) -> CommittedFile:
-        data = table_to_parquet_bytes(table)
+    def write_shard(self, relpath: str, table: pa.Table, identity: ShardIdentity | None = None) -> CommittedFile:
+        """Commit one (arm, shard) file; ``identity`` goes into its metadata (the runtime always gives it)."""
+        data = table_to_parquet_bytes(table, identity)
         self.commit_bytes(relpath, data)
         return CommittedFile(relpath, table.num_rows, hashlib.sha256(data).hexdigest(), len(data))
 
@@ -208,15 +254,22 @@ class RunStore:
         storage.remove(self.uri(relpath), self.storage_options)
 
     def remove_stale_temps(self) -> list[str]:
-        """Delete temp files a crashed writer left behind (local only; object stores have none)."""
-        if not self.is_local or not os.path.isdir(self.root):
+        """Delete the temp files that writers of this run (same ``run_tag``) left behind when killed.
+
+        Only names this run's writers make (``.<name>.tmp-specray-<run_tag>-<32 hex>``) are removed;
+        any other file, dot-prefixed or not, is left alone. Local only: object stores have no temps.
+        A store without a ``run_tag`` removes nothing.
+        """
+        if not self.temp_tag or not self.is_local or not os.path.isdir(self.root):
             return []
+        own = re.compile(rf"\..+{re.escape(TEMP_MARKER + self.temp_tag)}-[0-9a-f]{{32}}")
         removed = []
-        for dirpath, _dirs, files in os.walk(self.root):
+        for dirpath, _dirs, files in os.walk(self.root):  # symlinked folders are not followed
             for name in files:
-                if name.startswith(".") and TEMP_MARKER in name:
-                    os.remove(os.path.join(dirpath, name))
-                    removed.append(os.path.join(dirpath, name))
+                path = os.path.join(dirpath, name)
+                if own.fullmatch(name) and not os.path.islink(path):
+                    os.remove(path)
+                    removed.append(path)
         return removed
 
     def list_files(self, prefix: str = "") -> list[str]:

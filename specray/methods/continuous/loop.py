@@ -34,7 +34,7 @@ import torch
 
 from specray import rng
 from specray.families import Method, resolve
-from specray.methods.common import GenerationResult, RoundTally, SampleStats
+from specray.methods.common import GenerationResult, RoundTally, SampleStats, bind_conditions
 from specray.methods.continuous.head import ChainOutput, guided_eps_fn, run_chain
 from specray.methods.continuous.params import Common, CSpD
 from specray.methods.continuous.rules import accept, keyed_draws, log_acceptance_ratio, residual_sample
@@ -77,10 +77,15 @@ def generation_order(kind: str, seed: int, sample_ids: torch.Tensor, num_tokens:
 
 
 def cfg_scales(cfg: float, schedule: str, num_tokens: int, device: torch.device) -> torch.Tensor:
-    """w per generation step k (one token per step; M_k = L − k − 1 still masked after step k)."""
+    """w per generation step k (one token per step; M_k = L − k − 1 still masked after step k).
+
+    MAR's linear schedule clamps the masked count to at least 1 (``mask_len``), so the last step's
+    scale is ``1 + (cfg − 1)(L − 1)/L``, never ``cfg`` itself (spec checkpoints.md).
+    """
     k = torch.arange(num_tokens, dtype=torch.float32, device=device)
     if schedule == "linear":
-        return 1.0 + (cfg - 1.0) * (k + 1) / num_tokens
+        still_masked = (num_tokens - k - 1).clamp(min=1)
+        return 1.0 + (cfg - 1.0) * (num_tokens - still_masked) / num_tokens
     return torch.full((num_tokens,), cfg, dtype=torch.float32, device=device)
 
 
@@ -93,16 +98,32 @@ class ModelSide:
         self.use_cfg = use_cfg
         self.batch = labels.shape[0]
         rows = torch.cat([labels, torch.full_like(labels, model.null_class)]) if use_cfg else labels
-        self.cache: ContentCache = model.new_cache(rows, extra_slots=extra_slots)
+        # A masked (MAR-style) model has no cache: every forward sees the visible tokens afresh.
+        self.masked = getattr(model, "masked_context", False)
+        self.row_labels = rows
+        self.cache: ContentCache | None = None if self.masked else model.new_cache(rows, extra_slots=extra_slots)
 
     def _dup(self, t: torch.Tensor) -> torch.Tensor:
         return torch.cat([t, t]) if self.use_cfg else t
 
     def cached_tokens(self) -> torch.Tensor:
+        if self.cache is None:
+            return torch.zeros(self.batch, dtype=torch.int64, device=self.row_labels.device)
         return self.cache.length[: self.batch] - 1  # slot 0 is the class entry
 
     def truncate(self, num_tokens: torch.Tensor) -> None:
-        self.cache.truncate(self._dup(num_tokens + 1))
+        if self.cache is not None:
+            self.cache.truncate(self._dup(num_tokens + 1))
+
+    def _masked_context(self, seq: torch.Tensor, order: torch.Tensor, query_index: torch.Tensor,
+                        visible: torch.Tensor) -> torch.Tensor:
+        """z from a masked model: one forward per distinct visible count across the query slots."""
+        positions = torch.gather(order, 1, query_index.clamp(max=order.shape[1] - 1))
+        seq, order, positions, visible = (self._dup(t) for t in (seq, order, positions, visible))
+        if bool((visible == visible[:, :1]).all()):
+            return self.model.context(seq, order, self.row_labels, positions, visible[:, 0])
+        return torch.cat([self.model.context(seq, order, self.row_labels, positions[:, j : j + 1], visible[:, j])
+                          for j in range(positions.shape[1])], dim=1)
 
     def context(
         self, seq: torch.Tensor, order: torch.Tensor, upto: torch.Tensor, query_index: torch.Tensor, visible: torch.Tensor
@@ -111,6 +132,9 @@ class ModelSide:
 
         ``visible [B, m]``: how many generated tokens each query sees.
         """
+        if self.masked:
+            z = self._masked_context(seq, order, query_index, visible)
+            return (z, None) if not self.use_cfg else (z[: self.batch], z[self.batch :])
         have = self.cached_tokens()
         need = (upto - have).clamp(min=0)
         n_app = int(need.max())
@@ -183,10 +207,11 @@ def _cache_slack(gamma: int, num_tokens: int) -> int:
     return max(gamma, num_tokens) + 1
 
 
-def _images(seq: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+def _images(seq: torch.Tensor, order: torch.Tensor, decode=None) -> torch.Tensor:
+    """uint8 images of tokens in generation order: the presets' patches, or a release's VAE ``decode``."""
     spatial = torch.empty_like(seq)
     spatial.scatter_(1, order[..., None].expand_as(seq), seq)
-    return tokens_to_uint8(spatial)
+    return tokens_to_uint8(spatial) if decode is None else decode(spatial)
 
 
 def _step_slots(s: _Setup, gen_index: torch.Tensor, noise: ChainNoise) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -417,20 +442,20 @@ def _run_cspd(s: _Setup, pair: ModelPair, labels: torch.Tensor, sample_ids: torc
 @torch.no_grad()
 def run_batch(method: str | Method, params: Any, pair: ModelPair, labels: torch.Tensor, sample_ids: torch.Tensor,
               seed: int) -> GenerationResult:
-    """Generate one batch; images uint8 ``[B, 8, 8]`` on CPU. ``method``/``params`` as names and a
-    mapping, or as the family table's entry and typed parameters."""
+    """Generate one batch; images uint8 on CPU (``[B, 8, 8]`` for the presets, ``[B, H, W, 3]`` for a
+    release). ``method``/``params`` as names and a mapping, or as the family table's entry and typed parameters."""
     method, params = resolve(FAMILY, method, params)
     if isinstance(params, CSpD) and pair.draft is None:
         raise ValueError(f"method {method.name!r} needs a draft model; the arm's 'draft' is empty")
     dev = pair.device
-    labels = labels.to(dev, torch.int64)
+    labels = bind_conditions(labels, pair).to(dev, torch.int64)
     sample_ids = sample_ids.to(dev, torch.int64)
     s = _setup(params, pair, sample_ids, seed)
     if isinstance(params, CSpD):
         seq, stats = _run_cspd(s, pair, labels, sample_ids, seed)
     else:
         seq, stats = _run_target_only(s, pair, labels)
-    return GenerationResult(images=_images(seq, s.order), stats=stats)
+    return GenerationResult(images=_images(seq, s.order, pair.info.get("image_decoder")), stats=stats)
 
 
 __all__ = ["run_batch", "ChainNoise", "ModelSide"]

@@ -81,5 +81,15 @@ class CSpD(Common):
         return self.mode == "exact"
 
     @property
+    def law_note(self) -> str | None:
+        # Exact mode samples the head's final step with noise, so its law is target_only's with
+        # final_step_noise: true (the shared fields carry it over). With window: mar the target being
+        # matched emits each window in one parallel step (spec §1.4c), not token by token.
+        if self.lossless and self.window == "mar":
+            return ("window: mar is exact for the target emitting each window in one parallel step; "
+                    "target_only samples token by token, so a gap here measures the windowed scheme")
+        return None
+
+    @property
     def needs_draft(self) -> bool:
         return True

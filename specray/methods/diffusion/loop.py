@@ -33,7 +33,7 @@ import torch
 
 from specray import rng
 from specray.families import Method, resolve
-from specray.methods.common import GenerationResult, RoundTally, SampleStats
+from specray.methods.common import GenerationResult, RoundTally, SampleStats, bind_conditions
 from specray.methods.diffusion.params import Common, Speculative
 from specray.methods.diffusion.residual import reflect, sample_residual
 from specray.methods.diffusion.rules import block_verify, log_ratio, token_verify
@@ -60,6 +60,9 @@ class GaussianChain:
     sigma: torch.Tensor  # float64 [K_s], all > 0
     target_eps: EpsFn
     draft_eps: EpsFn | None = None
+    # x0-clipped mean tables (c1, c2, r, r1) [K_s]: mean = c1 clip(r x - r1 eps, -1, 1) + c2 x (diffusers'
+    # clip_sample); None: the mean is affine, A x + B eps.
+    clipped_mean: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     @property
     def num_steps(self) -> int:
@@ -84,8 +87,11 @@ def _coef(table: torch.Tensor, k: torch.Tensor, like: torch.Tensor) -> torch.Ten
 
 
 def _mean(chain: GaussianChain, x: torch.Tensor, eps: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-    """``A x + B eps`` in float64."""
+    """``A x + B eps`` in float64 (with x0 clipping: ``c1 clip(r x - r1 eps) + c2 x``)."""
     x64 = x.to(torch.float64)
+    if chain.clipped_mean is not None:
+        c1, c2, r, r1 = (_coef(t, k, x64) for t in chain.clipped_mean)
+        return c1 * (r * x64 - r1 * eps.to(torch.float64)).clamp(-1.0, 1.0) + c2 * x64
     return _coef(chain.A, k, x64) * x64 + _coef(chain.B, k, x64) * eps.to(torch.float64)
 
 
@@ -192,7 +198,13 @@ def speculative_chain(
 
         Bk = _coef(chain.B, (kk[:, None] + positions[None, :]).flatten(), E.flatten(0, 1)).reshape((n, G) + (1,) * len(shape))
         Sk = _coef(chain.sigma, (kk[:, None] + positions[None, :]).flatten(), E.flatten(0, 1)).reshape((n, G) + (1,) * len(shape))
-        Delta = Bk * (eps_draft.to(torch.float64) - E.to(torch.float64)) / Sk
+        if chain.clipped_mean is None:
+            Delta = Bk * (eps_draft.to(torch.float64) - E.to(torch.float64)) / Sk
+        else:  # not affine in eps: the difference of the two means (spec_diffusion 1.2)
+            flat_k = (kk[:, None] + positions[None, :]).flatten()
+            drafted = Y[:, :G].flatten(0, 1)
+            gap = _mean(chain, drafted, eps_draft.flatten(0, 1), flat_k) - _mean(chain, drafted, E.flatten(0, 1), flat_k)
+            Delta = gap.reshape(Sk.shape[:2] + gap.shape[1:]) / Sk
         Delta = torch.where(_bcast(valid, Delta), Delta, torch.zeros_like(Delta))
         log_rho, delta = log_ratio(Delta, xi)
         eta = 1.0 - rng.uniform(seed, sid[:, None], "accept", r[:, None], kk[:, None] + positions[None, :], device=device)
@@ -257,6 +269,7 @@ def model_chain(pair, params: Common, labels: torch.Tensor):
     chain = GaussianChain(
         A=steps.A.to(device), B=steps.B.to(device), sigma=steps.sigma.to(device),
         target_eps=network(pair.target), draft_eps=network(pair.draft) if pair.draft is not None else None,
+        clipped_mean=None if steps.clipped_mean is None else tuple(t.to(device) for t in steps.clipped_mean),
     )
     return chain, steps
 
@@ -272,6 +285,7 @@ def run_batch(method: str | Method, params: Any, pair, labels: torch.Tensor, sam
         raise ValueError("drafter='model' needs a draft model: set the arm's draft (e.g. digits-ddpm-draft)")
     device = pair.device
     sample_ids = sample_ids.to(device)
+    labels = bind_conditions(labels, pair)
     chain, steps = model_chain(pair, params, labels)
     x = rng.normal(seed, sample_ids, "x_T", shape=pair.info["image_shape"], device=device, dtype=torch.float32)
     batch, K = x.shape[0], steps.num_steps
@@ -282,7 +296,9 @@ def run_batch(method: str | Method, params: Any, pair, labels: torch.Tensor, sam
         x, cs = ancestral_chain(chain, x, sample_ids, seed), None
     last = torch.full((batch,), K - 1, dtype=torch.int64, device=device)
     eps = pair.target(x, steps.timesteps.to(device)[last], labels.to(device), params.guidance_scale)
-    images = to_uint8_image(final_step(x, eps, steps.final_alpha_bar))
+    decode = pair.info.get("image_decoder")  # a latent model's VAE; pixel models are their own images
+    x0 = final_step(x, eps, steps.final_alpha_bar, clip=decode is None)
+    images = decode(x0) if decode is not None else to_uint8_image(x0)
     if cs is None:
         extra = {"states_evaluated": K, "block_efficiency": 1.0, "guidance_scale": params.guidance_scale}
         return GenerationResult(images, [SampleStats(num_tokens=K, target_calls=K, extra=dict(extra)) for _ in range(batch)])

@@ -50,7 +50,7 @@ import torch
 
 from specray import rng
 from specray.families import Method, resolve
-from specray.methods.common import GenerationResult, RoundTally, SampleStats
+from specray.methods.common import GenerationResult, RoundTally, SampleStats, bind_conditions
 from specray.methods.discrete.params import Sampling, Speculative
 from specray.methods.discrete.processing import process_with
 from specray.methods.discrete.rules import Verifier
@@ -103,7 +103,7 @@ class GuidedModel:
             rows=None if all_rows else torch.cat([idx, idx + self.batch]), prefix=prefix,
         )
         r = idx.shape[0]
-        return process_with(self.sampling, logits[:r], logits[r:])
+        return process_with(self.sampling, logits[:r], logits[r:], positions)  # position p predicts token p
 
     def crop(self, idx: torch.Tensor, lengths: torch.Tensor, *, all_rows: bool = False) -> None:
         if all_rows:  # idx is arange(batch): one copy instead of indexed writes
@@ -349,7 +349,7 @@ def generate_tokens(method: str | Method, params: Any, pair: ModelPair, labels: 
     """Image tokens ``[B, N]`` and per-sample statistics (``method``/``params`` as in :func:`run_batch`)."""
     method, params = resolve(FAMILY, method, params)
     device = pair.device
-    labels = labels.to(device=device, dtype=torch.int64)
+    labels = bind_conditions(labels, pair).to(device=device, dtype=torch.int64)
     sample_ids = sample_ids.to(device=device, dtype=torch.int64)
     num_classes = pair.target.config.num_classes
     if labels.dim() != 1 or sample_ids.shape != labels.shape:
@@ -377,7 +377,9 @@ def generate_tokens(method: str | Method, params: Any, pair: ModelPair, labels: 
 
 def run_batch(method: str | Method, params: Any, pair: ModelPair, labels: torch.Tensor,
               sample_ids: torch.Tensor, seed: int) -> GenerationResult:
-    """Generate one batch; images uint8 ``[B, 8, 8]`` on CPU. ``method``/``params`` as names and a
-    mapping, or as the family table's entry and typed parameters."""
+    """Generate one batch; images uint8 on CPU (``[B, 8, 8]`` for the presets, ``[B, S, S, 3]`` for a
+    release). ``method``/``params`` as names and a mapping, or as the family table's entry and typed parameters."""
     tokens, stats = generate_tokens(method, params, pair, labels, sample_ids, seed)
-    return GenerationResult(images=to_images(tokens, pair.target.config.grid_size), stats=stats)
+    decode = pair.info.get("image_decoder")  # a release's VQ decoder; the presets' tokens are pixels
+    images = decode(tokens) if decode is not None else to_images(tokens, pair.target.config.grid_size)
+    return GenerationResult(images=images, stats=stats)

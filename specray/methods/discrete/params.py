@@ -24,6 +24,9 @@ class Sampling(MethodParams):
     temperature: Annotated[float, Field(ge=0)] = 1.0
     top_k: Annotated[int, Field(ge=0)] = 0  # 0 = off
     top_p: Annotated[float, Field(gt=0, le=1)] = 1.0  # 1 = off
+    # LlamaGen's cfg-interval: image tokens 0 .. cfg_interval + 1 are guided, later ones use the
+    # conditional logits alone (the uncond stream is still fed); -1 = guide every token.
+    cfg_interval: Annotated[int, Field(ge=-1)] = -1
 
     @property
     def lossless(self) -> bool:

@@ -67,5 +67,12 @@ def process_logits(
     return torch.softmax(logits, dim=-1, dtype=torch.float32)
 
 
-def process_with(params: SamplingParams, cond_logits: torch.Tensor, uncond_logits: torch.Tensor | None) -> torch.Tensor:
+def process_with(params: SamplingParams, cond_logits: torch.Tensor, uncond_logits: torch.Tensor | None,
+                 token_index: torch.Tensor | None = None) -> torch.Tensor:
+    """``token_index [..]`` (the image token each logits row predicts) applies ``cfg_interval``."""
+    if uncond_logits is not None and params.cfg_interval >= 0 and token_index is not None:
+        guided = cfg_combine(cond_logits, uncond_logits, params.cfg_scale)
+        unguided = token_index > params.cfg_interval + 1  # LlamaGen: decode step i makes token i + 1
+        mixed = torch.where(unguided[..., None], cond_logits.float(), guided)
+        return process_logits(mixed, None, 1.0, params.temperature, params.top_k, params.top_p)
     return process_logits(cond_logits, uncond_logits, params.cfg_scale, params.temperature, params.top_k, params.top_p)

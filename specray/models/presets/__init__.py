@@ -13,6 +13,9 @@ from pathlib import Path
 from typing import Any
 
 WEIGHTS_DIR = Path(__file__).parent / "weights"
+# The null condition of text-conditioned presets: their "labels" are row indices into a batch's
+# prompt features, which stay below it (specray.models.conditioning).
+TEXT_NULL_INDEX = 1 << 20
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ most of the cost of a token is the 50-step head chain, so the head width sets
 the ratio.
 """
 
-from specray.models.presets import Preset, register
+from specray.models.presets import TEXT_NULL_INDEX, Preset, register
 
 _COMMON = {
     "num_classes": 10,
@@ -37,6 +37,31 @@ DIGITS_MAR_DRAFT = register(
         family="continuous_ar",
         role="draft",
         config={**_COMMON, "dim": 48, "n_layer": 1, "n_head": 2, "head_width": 64, "head_blocks": 2},
+        train={"steps": 1500, "batch_size": 32, "lr": 3e-3, "warmup_steps": 100, "diffusion_batch_mul": 2},
+    )
+)
+
+# Text-conditioned (prompt) presets: the class entry replaced by a MiniLM prompt embedding.
+_TEXT = {**_COMMON, "num_classes": TEXT_NULL_INDEX, "condition": "text", "text_dim": 384}
+
+DIGITS_MAR_TEXT_TARGET = register(
+    Preset(
+        name="digits-mar-text-target",
+        family="continuous_ar",
+        role="target",
+        config={**_TEXT, "dim": 96, "n_layer": 3, "n_head": 4, "head_width": 160, "head_blocks": 3,
+                "text_encoder": "minilm"},
+        train={"steps": 2500, "batch_size": 32, "lr": 2e-3, "warmup_steps": 100, "diffusion_batch_mul": 2},
+    )
+)
+
+DIGITS_MAR_TEXT_DRAFT = register(
+    Preset(
+        name="digits-mar-text-draft",
+        family="continuous_ar",
+        role="draft",
+        config={**_TEXT, "dim": 48, "n_layer": 1, "n_head": 2, "head_width": 64, "head_blocks": 2,
+                "text_encoder": "minilm"},
         train={"steps": 1500, "batch_size": 32, "lr": 3e-3, "warmup_steps": 100, "diffusion_batch_mul": 2},
     )
 )

@@ -12,7 +12,7 @@ layers. Depth makes the target's call cost clearly above the 1-layer draft's in 
 too, as with real targets (LlamaGen on a GPU), where speculative decoding is meant to pay.
 """
 
-from specray.models.presets import Preset, register
+from specray.models.presets import TEXT_NULL_INDEX, Preset, register
 
 _COMMON = {"vocab_size": 17, "num_classes": 10, "grid_size": 8, "class_dropout_prob": 0.1, "prefix_rope": "zeros"}
 
@@ -47,5 +47,29 @@ DIGITS_GPT_EAGLE = register(
                 "fc_bias": True, "input_norm": False, "resid_dropout_p": 0.0, "ffn_dropout_p": 0.0},
         train={"target": "digits-gpt-target", "samples": 4000, "heldout_samples": 200, "cfg_scale": 1.5,
                "steps": 4000, "batch_size": 64, "lr": 3e-3, "warmup_steps": 100},
+    )
+)
+
+# Text-conditioned (prompt) presets: the same architectures, the class token replaced by a MiniLM
+# prompt embedding (specray.models.conditioning), trained on captions of the digits.
+_TEXT = {**_COMMON, "num_classes": TEXT_NULL_INDEX, "condition": "text", "text_dim": 384}
+
+DIGITS_GPT_TEXT_TARGET = register(
+    Preset(
+        name="digits-gpt-text-target",
+        family="discrete_ar",
+        role="target",
+        config={**_TEXT, "dim": 64, "n_layer": 12, "n_head": 4, "text_encoder": "minilm"},
+        train={"steps": 1200, "batch_size": 32, "lr": 2e-3, "weight_decay": 0.05, "warmup_steps": 100},
+    )
+)
+
+DIGITS_GPT_TEXT_DRAFT = register(
+    Preset(
+        name="digits-gpt-text-draft",
+        family="discrete_ar",
+        role="draft",
+        config={**_TEXT, "dim": 48, "n_layer": 1, "n_head": 2, "text_encoder": "minilm"},
+        train={"steps": 3000, "batch_size": 64, "lr": 4e-3, "weight_decay": 0.01, "warmup_steps": 100},
     )
 )
