@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from specray.models.checkpoints.reading import CheckpointError
 from specray.models.draft_formats import LANTERN_INPUT_TYPES, LanternDrafter
 from specray.models.eagle_head import EagleHead, EagleHeadConfig
 
@@ -65,16 +66,16 @@ def lantern_key_shapes(config: EagleHeadConfig) -> dict[str, tuple[int, ...]]:
 
 def head_state_from_lantern(state: dict[str, torch.Tensor], config: EagleHeadConfig,
                             source: str = "checkpoint") -> dict[str, torch.Tensor]:
-    """LANTERN's state dict in the head's layout (ValueError naming any missing, unexpected or misshaped key)."""
+    """LANTERN's state dict in the head's layout (CheckpointError, a ValueError, naming any missing, unexpected or misshaped key)."""
     expected = lantern_key_shapes(config)
     missing = sorted(set(expected) - set(state))
     unexpected = sorted(set(state) - set(expected))
     if missing or unexpected:
-        raise ValueError(f"{source}: not a LANTERN drafter of this config: missing keys {missing}, "
+        raise CheckpointError(f"{source}: not a LANTERN drafter of this config: missing keys {missing}, "
                          f"unexpected keys {unexpected}")
     for key, shape in expected.items():
         if tuple(state[key].shape) != shape:
-            raise ValueError(f"{source}: key {key!r} has shape {list(state[key].shape)}, expected {list(shape)}")
+            raise CheckpointError(f"{source}: key {key!r} has shape {list(state[key].shape)}, expected {list(shape)}")
     s = {k: v.float() for k, v in state.items()}
     attn, mlp = f"{_LAYER}self_attn.", f"{_LAYER}mlp."
     out = {
@@ -94,19 +95,11 @@ def head_state_from_lantern(state: dict[str, torch.Tensor], config: EagleHeadCon
 
 
 def read_state(file: Path) -> dict[str, torch.Tensor]:
-    """Tensors of a safetensors file, or of a ``.bin`` through ``torch.load(weights_only=True)`` only."""
-    if file.suffix == ".safetensors":
-        from safetensors.torch import load_file
+    """The drafter's tensors, read like every release checkpoint (``checkpoints/reading.py``): safetensors,
+    or a pickle through ``torch.load(weights_only=True)`` only; a ``torch.compile`` prefix is dropped."""
+    from specray.models.checkpoints.reading import read_checkpoint, select_entry, strip_compiled_prefix
 
-        return load_file(str(file))
-    try:
-        state = torch.load(str(file), map_location="cpu", weights_only=True)
-    except Exception as exc:  # noqa: BLE001 - anything the safe unpickler refuses
-        raise ValueError(f"{file}: cannot be read with torch.load(weights_only=True) ({exc.__class__.__name__}); "
-                         "convert it to safetensors with the tools that wrote it") from None
-    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
-        raise ValueError(f"{file}: expected a mapping of tensor names to tensors")
-    return state
+    return strip_compiled_prefix(select_entry(read_checkpoint(file), (None,), file))
 
 
 def load_lantern_drafter(options: LanternDrafter, device: torch.device | str = "cpu") -> EagleHead:
