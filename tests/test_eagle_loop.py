@@ -115,6 +115,10 @@ def test_spec_accepts_head_arms(tmp_path):
     assert spec.arms[0].params["tree"] == "eagle57"
     spec = load_job(job(tmp_path, method="cool_sd", params={"tree": [[0], [1], [0, 0]], "delta": 2.0}))
     assert spec.arms[0].params["tree"] == [[0], [1], [0, 0]]
+    # What the spec stores is what the actors parse again: a tree arm's params carry no gamma.
+    stored = spec.arms[0].params
+    assert "gamma" not in stored and params("cool_sd", stored).to_dict() == stored
+    assert params("cool_sd", stored).draft_length == 2
 
 
 def test_a_gpt_file_is_not_an_eagle_head_file(tmp_path):

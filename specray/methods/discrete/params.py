@@ -72,9 +72,9 @@ class Speculative(Sampling):
 
     def to_dict(self) -> dict:
         # A chain's parameters read as before trees existed: same params column, same job fingerprint.
+        # A tree's carry no gamma (its depth is the draft length), so they parse again as they were given.
         out = super().to_dict()
-        if out.get("tree") is None:
-            out.pop("tree", None)
+        out.pop("tree" if out.get("tree") is None else "gamma", None)
         return out
 
     @property
