@@ -185,6 +185,11 @@ def test_builtin_demo_has_every_method_of_the_three_families():
     # The COOL-SD paper's comparison on one EAGLE head: Eagle-1 (sd), LANTERN++ and COOL-SD, on a tree.
     head_arms = {a.method for a in spec.arms if a.draft == "digits-gpt-eagle" and a.params.get("tree")}
     assert {"sd", "lantern", "cool_sd"} <= head_arms
+    # The actors parse each arm's stored params again: every arm's must parse to themselves.
+    from specray.families import family as family_table
+
+    for arm in spec.arms:
+        assert family_table(arm.family).parse_params(arm.method, arm.params).to_dict() == arm.params, arm.name
     # Each family has target_only replicas at other seeds for the FID seed spread.
     for family in ("discrete_ar", "continuous_ar", "diffusion"):
         offsets = {a.seed_offset for a in spec.arms if a.family == family and a.method == "target_only"}
