@@ -1,7 +1,10 @@
-"""Benchmark of the discrete family on the built-in presets (digits-gpt-target / digits-gpt-draft).
+"""Benchmark of the discrete family on the built-in presets (digits-gpt-target with the separate
+draft GPT digits-gpt-draft, and with the EAGLE head digits-gpt-eagle).
 
-For batch 1 and batch 32 and each method (target_only, sd, block, lantern, cool_sd at delta 1.1
-and 2.0, uniform_rsd; gamma 4, default sampling with CFG 1.5) it reports:
+For batch 1 and batch 32 and each arm (target_only; with the draft GPT: sd, block, lantern, cool_sd
+at delta 1.1 and 2.0, uniform_rsd, gamma 4; with the EAGLE head: sd on a chain of gamma 4 and on the
+static trees ``small`` and ``eagle25``, LANTERN++ and COOL-SD (delta 2.0) on the ``small`` tree; default
+sampling with CFG 1.5) it reports:
 
 - ``len``: mean acceptance length (image tokens per target call, bonus and prefill included);
   ``alpha``: draft acceptance rate;
@@ -14,9 +17,13 @@ and 2.0, uniform_rsd; gamma 4, default sampling with CFG 1.5) it reports:
   wrapping that method in an untimed pass, by shape: model, tokens per row (target_only and the
   prefill: 1; a round's first draft call: 2, catching up the previous round's commit; later draft
   calls: 1; verify: gamma+1, padded in a row's short last round, so it costs the same) and rows fed
-  (the whole batch, or fewer in the tail rounds once some rows are done, read by index). Every shape
-  used is timed in the same run (calls on fewer rows at a grid of row counts, linear in between), and
-  predicted time = sum over calls of the cost of the call's shape;
+  (the whole batch, or fewer in the tail rounds once some rows are done, read by index). The head
+  arms' calls are counted the same way: ``target_f`` is a target call that also returns hidden
+  states (prefill 1 token, chain verify gamma+1, tree verify: the tree's nodes + 1, with its tree
+  mask), ``head`` an EAGLE-head call (the round's catch-up over depth + 1 positions, then one token per
+  chain step, or one tree level's internal nodes). Every shape used is timed in the same run (calls on
+  fewer rows at a grid of row counts, linear in between), and predicted time = sum over calls of the
+  cost of the call's shape;
 - ``eff`` = speedup / pred (1.0: no more loop overhead than target_only's own loop);
 - ``ovh`` = time / predicted time of the arm's own calls (its loop overhead factor).
 
@@ -44,20 +51,29 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from specray.methods.discrete.eagle_loop import HeadStream, TargetStream  # noqa: E402
 from specray.methods.discrete.loop import GuidedModel, run_batch  # noqa: E402
 from specray.methods.discrete.params import SD  # noqa: E402
 from specray.models.discrete_ar import load_pair  # noqa: E402
 from specray.models.pair import ModelPair  # noqa: E402
 
-# (row name, method, params); cool_sd at the spec's default delta and at a looser one.
-ARMS: list[tuple[str, str, dict[str, Any]]] = [
-    ("target_only", "target_only", {}),
-    ("sd", "sd", {}),
-    ("block", "block", {}),
-    ("lantern", "lantern", {}),
-    ("cool_sd d=1.1", "cool_sd", {"delta": 1.1}),
-    ("cool_sd d=2.0", "cool_sd", {"delta": 2.0}),
-    ("uniform_rsd", "uniform_rsd", {}),
+TARGET, DRAFT, HEAD = "digits-gpt-target", "digits-gpt-draft", "digits-gpt-eagle"
+
+# (row name, method, params, draft); cool_sd at the spec's default delta and at a looser one. Chains
+# get gamma from --gamma; a tree's depth is its draft length.
+ARMS: list[tuple[str, str, dict[str, Any], str]] = [
+    ("target_only", "target_only", {}, DRAFT),
+    ("sd", "sd", {}, DRAFT),
+    ("block", "block", {}, DRAFT),
+    ("lantern", "lantern", {}, DRAFT),
+    ("cool_sd d=1.1", "cool_sd", {"delta": 1.1}, DRAFT),
+    ("cool_sd d=2.0", "cool_sd", {"delta": 2.0}, DRAFT),
+    ("uniform_rsd", "uniform_rsd", {}, DRAFT),
+    ("eagle sd", "sd", {}, HEAD),
+    ("eagle sd small", "sd", {"tree": "small"}, HEAD),
+    ("eagle sd e25", "sd", {"tree": "eagle25"}, HEAD),
+    ("eagle lantern sm", "lantern", {"tree": "small"}, HEAD),
+    ("eagle cool2 sm", "cool_sd", {"tree": "small", "delta": 2.0}, HEAD),
 ]
 
 
@@ -160,17 +176,23 @@ def count_calls(method: str, params: dict[str, Any], pair: ModelPair, work: list
     the rows fed (fewer than the batch in the tail rounds, once rows are done).
     """
     counts: Counter[str] = Counter()
-    original = GuidedModel.probs
+    originals = {cls: cls.probs for cls in (GuidedModel, TargetStream, HeadStream)}
 
-    def counted(self: GuidedModel, idx: torch.Tensor, tokens: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        counts[shape_key("target" if self.model is pair.target else "draft", tokens.shape[1], idx.shape[0])] += 1
-        return original(self, idx, tokens, *args, **kwargs)
+    def counter(cls: type, role: Any) -> Any:
+        def counted(self: Any, idx: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            positions = args[1] if cls is GuidedModel else args[2]  # [rows fed, tokens per row]
+            counts[shape_key(role(self), positions.shape[1], idx.shape[0])] += 1
+            return originals[cls](self, idx, *args, **kwargs)
+        return counted
 
-    GuidedModel.probs = counted  # type: ignore[method-assign]
+    GuidedModel.probs = counter(GuidedModel, lambda s: "target" if s.model is pair.target else "draft")  # type: ignore[method-assign]
+    TargetStream.probs = counter(TargetStream, lambda s: "target_f")  # type: ignore[method-assign]
+    HeadStream.probs = counter(HeadStream, lambda s: "head")  # type: ignore[method-assign]
     try:
         _, stats = run_arm(method, params, pair, work, seed)
     finally:
-        GuidedModel.probs = original  # type: ignore[method-assign]
+        for cls, original in originals.items():
+            cls.probs = original  # type: ignore[method-assign]
     return CallCounts(dict(sorted(counts.items())), batch=work[0][0].shape[0]), stats
 
 
@@ -197,38 +219,60 @@ def shapes_to_time(counts: list[CallCounts], batch: int) -> list[str]:
     return out
 
 
-def call_costs(pair: ModelPair, batch: int, gamma: int, shapes: list[str], calls: int) -> dict[str, dict[str, float]]:
-    """Per-call seconds ``{clock: {shape key: s}}`` of :meth:`GuidedModel.probs` (CFG on, default sampling).
+def _call_of_shape(role: str, n: int, rows: int, batch: int, pairs: dict[str, ModelPair], gamma: int,
+                   gen: torch.Generator) -> Any:
+    """A zero-argument function making one call of shape (role, n tokens per row, rows) as the loops make it.
 
-    Each is the median of 5 timings of ``calls`` back-to-back calls made the way the loops make
-    them past the prefix: a stream for ``batch`` samples, fed ``tokens`` per row on ``rows`` of
-    them (the full batch without a gather, fewer rows by index, as in the tail rounds). The cache
-    length is the loop's (attention spans it): target_only's for 1-token target calls (all but one
-    prefill call per speculative batch), the speculative loop's (room for a padded verify) otherwise.
+    The cache length is the loop's (attention spans it): target_only's for 1-token target calls (all
+    but one prefill call per speculative batch), the speculative loop's (room for a padded verify)
+    otherwise; for the head arms' calls, the prefix plus the call's tokens (a tree verify's nodes).
     """
     sampling = SD()
-    device = pair.device
-    mid = pair.target.config.num_image_tokens // 2
+    gpt = pairs[DRAFT]
+    device = gpt.device
+    mid = gpt.target.config.num_image_tokens // 2
+    idx = torch.arange(rows, device=device)
+    tok = torch.randint(0, gpt.target.config.vocab_size, (rows, n), generator=gen).to(device)
+    pos = (mid + torch.arange(n, device=device)).expand(rows, n).contiguous()
+    if role in ("target", "draft"):
+        model = gpt.target if role == "target" else gpt.draft
+        max_len = gpt.target.max_seq_len + (0 if (role, n) == ("target", 1) else gamma + 1)
+        stream = GuidedModel(model, batch, sampling, max_len)
+        full = rows == batch
+        return lambda: stream.probs(idx, tok, pos, all_rows=full, prefix=False)
+    head_pair = pairs[HEAD]
+    max_len = head_pair.target.max_seq_len + n + 1
+    visible = torch.arange(max_len, device=device) <= pos[:, :, None]  # a tree mask costs the same
+    if role == "target_f":
+        target = TargetStream(head_pair.target, batch, sampling, max_len)
+        return lambda: target.probs(idx, tok, pos, pos, visible)
+    head = HeadStream(head_pair.draft, head_pair.target, batch, sampling, max_len)
+    features = torch.randn(head.cache_rows(idx).shape[0], n, head_pair.target.config.dim, generator=gen).to(device)
+    return lambda: head.probs(idx, features, tok, pos, pos, visible)
+
+
+def call_costs(pairs: dict[str, ModelPair], batch: int, gamma: int, shapes: list[str],
+               calls: int) -> dict[str, dict[str, float]]:
+    """Per-call seconds ``{clock: {shape key: s}}`` of every call shape (CFG on, default sampling).
+
+    Each is the median of 5 timings of ``calls`` back-to-back calls made the way the loops make
+    them past the prefix (:func:`_call_of_shape`): a stream for ``batch`` samples, fed ``tokens`` per
+    row on ``rows`` of them (the full batch without a gather, fewer rows by index, as in the tail rounds).
+    """
+    device = pairs[DRAFT].device
     gen = torch.Generator().manual_seed(0)
     out: dict[str, dict[str, float]] = {clock: {} for clock in CLOCK_NAMES}
     with torch.inference_mode():
         for key in shapes:
-            role, n, rows = parse_shape(key)
-            model = pair.target if role == "target" else pair.draft
-            max_len = pair.target.max_seq_len + (0 if (role, n) == ("target", 1) else gamma + 1)
-            stream = GuidedModel(model, batch, sampling, max_len)
-            idx = torch.arange(rows, device=device)
-            tok = torch.randint(0, model.config.vocab_size, (rows, n), generator=gen).to(device)
-            pos = (mid + torch.arange(n, device=device)).expand(rows, n).contiguous()
-            full = rows == batch
+            call = _call_of_shape(*parse_shape(key), batch, pairs, gamma, gen)
             for _ in range(3):  # warm-up
-                stream.probs(idx, tok, pos, all_rows=full, prefix=False)
+                call()
             times: dict[str, list[float]] = {clock: [] for clock in CLOCK_NAMES}
             for _ in range(5):
                 _sync(device)
                 start = stamp()
                 for _ in range(calls):
-                    stream.probs(idx, tok, pos, all_rows=full, prefix=False)
+                    call()
                 _sync(device)
                 for clock, t in since(start).items():
                     times[clock].append(t / calls)
@@ -255,23 +299,24 @@ def predicted_time(counts: CallCounts, costs: dict[str, float]) -> float:
     return sum(n * shape_cost(key, costs, counts.batch) for key, n in counts.shapes.items())
 
 
-def bench_batch(pair: ModelPair, batch: int, samples: int, reps: int, gamma: int, seed: int,
+def bench_batch(pairs: dict[str, ModelPair], batch: int, samples: int, reps: int, gamma: int, seed: int,
                 cost_calls: int) -> tuple[list[ArmResult], dict[str, dict[str, float]]]:
     work = batches_of(samples, batch)
-    arms = [(name, method, {**params, **({} if method == "target_only" else {"gamma": gamma})})
-            for name, method, params in ARMS]
+    chain = {} if gamma is None else {"gamma": gamma}
+    arms = [(name, method, {**params, **({} if method == "target_only" or "tree" in params else chain)}, pairs[draft])
+            for name, method, params, draft in ARMS]
     # Warm-up (allocator, kernels, neighbour tables), then the untimed counting pass.
-    for _, method, params in arms:
+    for _, method, params, pair in arms:
         run_arm(method, params, pair, work[:1], seed)
-    counted = {name: count_calls(method, params, pair, work, seed) for name, method, params in arms}
+    counted = {name: count_calls(method, params, pair, work, seed) for name, method, params, pair in arms}
 
-    times: dict[str, list[dict[str, float]]] = {name: [] for name, _, _ in arms}
+    times: dict[str, list[dict[str, float]]] = {name: [] for name, _, _, _ in arms}
     shapes = shapes_to_time([c for c, _ in counted.values()], batch)
     cost_reps: list[dict[str, dict[str, float]]] = []
     for rep in range(reps):
-        cost_reps.append(call_costs(pair, batch, gamma, shapes, cost_calls))
+        cost_reps.append(call_costs(pairs, batch, gamma, shapes, cost_calls))
         order = arms[rep % len(arms):] + arms[: rep % len(arms)]  # rotate so drift hits every arm alike
-        for name, method, params in order:
+        for name, method, params, pair in order:
             elapsed, _ = run_arm(method, params, pair, work, seed)
             times[name].append(elapsed)
     costs = {clock: {key: statistics.median(c[clock][key] for c in cost_reps) for key in cost_reps[0][clock]}
@@ -279,7 +324,7 @@ def bench_batch(pair: ModelPair, batch: int, samples: int, reps: int, gamma: int
 
     base_name = arms[0][0]
     results = []
-    for name, method, params in arms:
+    for name, method, params, _ in arms:
         counts, stats = counted[name]
         drafted = sum(s.num_draft_tokens for s in stats)
         accepted = sum(s.num_accepted_draft_tokens for s in stats)
@@ -314,24 +359,31 @@ def print_table(batch: int, samples: int, reps: int, costs: dict[str, dict[str, 
     print(f"\n## batch {batch}: {samples} samples, {reps} reps, {clock} clock; per call at the full batch: "
           f"target 1 token {ms('target', 1)}, verify {gamma + 1} tokens {ms('target', gamma + 1)}, "
           f"draft 1 token {ms('draft', 1)}, draft 2 tokens {ms('draft', 2)}")
+    head_shapes = sorted((parse_shape(k) for k in c if parse_shape(k)[0] in ("target_f", "head")
+                          and parse_shape(k)[2] == batch), key=lambda x: (x[0] != "target_f", x[1]))
+    if head_shapes:
+        print("   head arms, per call at the full batch: " + ", ".join(
+            f"{'target' if role == 'target_f' else 'head'} {n} token{'s' if n > 1 else ''} {ms(role, n)}"
+            for role, n, _ in head_shapes))
     if batch > 1:
         grid = partial_rows_grid(batch)
         print(f"   calls on fewer rows (tail rounds) timed at rows {grid}, linear in between; e.g. at 1 row: "
               f"verify {ms('target', gamma + 1, 1)}, draft {ms('draft', 1, 1)}, draft 2 tokens {ms('draft', 2, 1)}")
-    header = (f"{'method':<15} {'len':>5} {'alpha':>6} {'tgt':>5} {'draft':>6} {'d2':>5} {'part':>5} {'ms/sample':>10} "
+    header = (f"{'method':<17} {'len':>5} {'alpha':>6} {'tgt':>5} {'draft':>6} {'d2':>5} {'part':>5} {'ms/sample':>10} "
               f"{'speedup':>8} {'pred':>6} {'eff':>5} {'ovh':>5} | {'speedup':>8} {'eff':>5} ({other})")
     print(header)
     print("-" * len(header))
     per_batch = samples / batch
     for r in results:
         alpha = "-" if r.draft_acceptance_rate is None else f"{r.draft_acceptance_rate:.3f}"
-        tgt = r.calls.total("target") / per_batch
-        draft = r.calls.total("draft") / per_batch
+        target_calls = r.calls.total("target") + r.calls.total("target_f")
+        draft_calls = r.calls.total("draft") + r.calls.total("head")
+        tgt, draft = target_calls / per_batch, draft_calls / per_batch
         two = r.calls.total("draft", tokens=2) / per_batch
-        calls = r.calls.total("target") + r.calls.total("draft")
-        partial = (r.calls.total("target", partial=True) + r.calls.total("draft", partial=True)) / calls
+        partial = sum(r.calls.total(role, partial=True) for role in ("target", "target_f", "draft", "head"))
+        partial /= target_calls + draft_calls
         m, o = r.clocks[clock], r.clocks[other]
-        print(f"{r.name:<15} {r.mean_acceptance_length:>5.2f} {alpha:>6} {tgt:>5.1f} {draft:>6.1f} {two:>5.1f} "
+        print(f"{r.name:<17} {r.mean_acceptance_length:>5.2f} {alpha:>6} {tgt:>5.1f} {draft:>6.1f} {two:>5.1f} "
               f"{partial:>5.2f} {m.s_per_sample * 1e3:>10.2f} {m.speedup:>8.2f} {m.predicted_speedup:>6.2f} "
               f"{m.efficiency:>5.2f} {m.overhead:>5.2f} | {o.speedup:>8.2f} {o.efficiency:>5.2f}", flush=True)
 
@@ -360,19 +412,20 @@ def main(argv: list[str] | None = None) -> None:
     reps = args.reps or (3 if args.quick else 7)
     device = torch.device(args.device)
     clock = args.clock if args.clock != "auto" else ("cpu" if device.type == "cpu" else "wall")
-    pair = load_pair("digits-gpt-target", "digits-gpt-draft", device)
-    print(f"# specray discrete bench: {pair.target_name} vs {pair.draft_name} on {device} "
+    pairs = {DRAFT: load_pair(TARGET, DRAFT, device), HEAD: load_pair(TARGET, HEAD, device)}
+    pair = pairs[DRAFT]
+    print(f"# specray discrete bench: {pair.target_name} vs {DRAFT} and {HEAD} on {device} "
           f"({torch.get_num_threads()} thread(s), torch {torch.__version__}), gamma={args.gamma}, seed={args.seed}")
     started = time.perf_counter()
     report: dict[str, Any] = {
-        "target": pair.target_name, "draft": pair.draft_name, "device": str(device), "gamma": args.gamma,
+        "target": pair.target_name, "draft": pair.draft_name, "head": HEAD, "device": str(device), "gamma": args.gamma,
         "seed": args.seed, "threads": torch.get_num_threads(), "torch": torch.__version__,
         "python": platform.python_version(), "quick": args.quick, "clock": clock, "batches": [],
     }
     for batch in [int(b) for b in args.batches.split(",")]:
         samples = samples_b1 if batch == 1 else batch * batches_large
         cost_calls = 20 if batch == 1 else 10
-        results, costs = bench_batch(pair, batch, samples, reps, args.gamma, args.seed, cost_calls)
+        results, costs = bench_batch(pairs, batch, samples, reps, args.gamma, args.seed, cost_calls)
         print_table(batch, samples, reps, costs, results, clock, args.gamma)
         report["batches"].append({"batch": batch, "samples": samples, "reps": reps, "call_costs_s": costs,
                                   "arms": [asdict(r) for r in results]})

@@ -202,7 +202,7 @@ def methods(family_name: str | None) -> None:
             flags = ", ".join(f for f, on in (("lossless", defaults.lossless), ("needs a draft", defaults.needs_draft))
                               if on)
             click.echo(f"  {method.name}: {method.summary}" + (f" [{flags} by default]" if flags else ""))
-            for name, value in defaults.to_dict().items():
+            for name, value in defaults.model_dump(mode="json").items():
                 click.echo(f"      {name} = {value!r}  ({allowed_values(method.params, name)})")
 
 

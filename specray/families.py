@@ -25,6 +25,7 @@ from specray.methods.continuous import params as continuous_params
 from specray.methods.diffusion import params as diffusion_params
 from specray.methods.discrete import params as discrete_params
 from specray.methods.params import MethodParams, StrictParams
+from specray.models import draft_formats as _draft_formats
 from specray.models.checkpoints import options as checkpoint_options
 
 # A zero-argument function that imports and returns a torch-side object (a loop, a loader...).
@@ -83,6 +84,9 @@ class Family:
     # Free-form facts about the family; "preset_weights": its presets read weights/<name>.safetensors
     # (the spec refuses a preset whose file is missing).
     metadata: Mapping[str, Any] = field(default_factory=dict)
+    # Cross-checks of an arm that need its models and its parameters together, torch-free:
+    # check_arm(params, target, draft) -> (field under the arm, message) or None.
+    check_arm: Callable[[MethodParams, Any, Any], tuple[str, str] | None] | None = None
 
     def method(self, name: str) -> Method:
         try:
@@ -136,6 +140,29 @@ def _discrete_models():
 def _discrete_trainer():
     from specray.models.discrete_train import train_preset
     return train_preset
+
+
+def _head_file_loader():
+    from specray.models.eagle_head import load_head_file
+    return load_head_file
+
+
+def _lantern_drafter_loader():
+    from specray.models.lantern_drafter import load_lantern_drafter
+    return load_lantern_drafter
+
+
+def _discrete_arm_check(params: MethodParams, target: Any, draft: Any) -> tuple[str, str] | None:
+    """An EAGLE head is only a draft, and a static tree drafts only with a head."""
+    from specray.models.draft_formats import is_head_reference
+
+    if is_head_reference(target):
+        return "target", "is an EAGLE draft head; a head can only be a draft (name a GPT target)"
+    if getattr(params, "tree", None) is not None and not is_head_reference(draft):
+        return "params.tree", ("static-tree drafting needs an EAGLE head as the draft: digits-gpt-eagle, a head "
+                               ".safetensors, or {format: eagle-head | lantern-llamagen}; "
+                               f"{draft!r} is a separate draft model")
+    return None
 
 
 def _continuous_loop():
@@ -208,8 +235,16 @@ FAMILIES: dict[str, Family] = {
         ),
         loop=_discrete_loop, load_pair=_discrete_models, trainer=_discrete_trainer,
         metadata={"preset_weights": True},  # its presets load weights/<name>.safetensors
-        formats={"llamagen-c2i": ModelFormat("llamagen-c2i", _opts.LlamaGenOptions, _llamagen_loader,
-                                             "LlamaGen class-conditional GPT (c2i_*.pt) + VQ-16 tokenizer")},
+        formats={
+            "llamagen-c2i": ModelFormat("llamagen-c2i", _opts.LlamaGenOptions, _llamagen_loader,
+                                        "LlamaGen class-conditional GPT (c2i_*.pt) + VQ-16 tokenizer"),
+            "eagle-head": ModelFormat("eagle-head", _draft_formats.EagleHeadFile, _head_file_loader,
+                                      "an EAGLE draft head written by `specray train` (draft only)"),
+            "lantern-llamagen": ModelFormat("lantern-llamagen", _draft_formats.LanternDrafter,
+                                            _lantern_drafter_loader,
+                                            "a drafter released by LANTERN for LlamaGen, as an EAGLE head"),
+        },
+        check_arm=_discrete_arm_check,
     ),
     "continuous_ar": Family(
         name="continuous_ar",

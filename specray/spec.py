@@ -529,6 +529,9 @@ def _arms(path: str, raw: Any) -> tuple[ArmSpec, ...]:
         if params.needs_draft and draft is None:
             raise SpecError(f"{at}.draft", f"method {method!r} with these params needs a draft model; "
                                            f"name one (a preset of family {family_name!r} or a checkpoint)")
+        problem = family.check_arm(params, target, draft) if family.check_arm is not None else None
+        if problem is not None:
+            raise SpecError(f"{at}.{problem[0]}", problem[1])
         seed_offset = _integer(f"{at}.seed_offset", item.get("seed_offset", 0), minimum=0, maximum=MAX_SEED)
         arms.append(ArmSpec(name=name, family=family_name, method=method, target=target, draft=draft,
                             params=params.to_dict(), seed_offset=seed_offset))
@@ -648,15 +651,6 @@ _SAFETENSORS_DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3"
                             "F16": 2, "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
 
 
-def safetensors_metadata(file: Path) -> dict[str, Any]:
-    """The ``__metadata__`` of a safetensors file whose header is sound ({} when it has none)."""
-    with open(file, "rb") as handle:
-        (header_len,) = struct.unpack("<Q", handle.read(8))
-        header = json.loads(handle.read(header_len))
-    metadata = header.get("__metadata__")
-    return dict(metadata) if isinstance(metadata, dict) else {}
-
-
 def safetensors_header_problem(file: Path) -> str | None:
     """Why ``file`` is not a complete safetensors file (None when its header is sound)."""
     size = file.stat().st_size
@@ -695,6 +689,18 @@ def safetensors_header_problem(file: Path) -> str | None:
     if not any(k != "__metadata__" for k in header):
         return "it holds no tensors"
     return None
+
+
+def safetensors_metadata(file: Path) -> dict[str, str]:
+    """The ``__metadata__`` of a sound safetensors file (ValueError saying what is wrong otherwise);
+    reads the header only."""
+    problem = safetensors_header_problem(file)
+    if problem:
+        raise ValueError(problem)
+    with open(file, "rb") as handle:
+        (header_len,) = struct.unpack("<Q", handle.read(8))
+        metadata = json.loads(handle.read(header_len)).get("__metadata__")
+    return dict(metadata) if isinstance(metadata, dict) else {}
 
 
 _STORAGE_OPTION_FIELDS = {"endpoint_url", "region_name", "anon", "requester_pays", "config_kwargs"}

@@ -22,6 +22,10 @@ from pathlib import Path
 
 import pytest
 
+# The release-checkpoint modules ask for it with pytest.mark.usefixtures("single_thread"), which an
+# import inside each module cannot keep (a linter sees it unused).
+from tests.checkpoint_fixtures import single_thread  # noqa: F401
+
 FAKE_ACCESS_KEY = "testing"
 FAKE_SECRET_KEY = "testing"
 MOTO_REGION = "us-east-1"

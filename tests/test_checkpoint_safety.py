@@ -32,7 +32,7 @@ def load_gpt(path: Path):
 
 
 def job(tmp_path: Path, target: dict) -> dict:
-    return {"job_id": "bad", "output": str(tmp_path / "run"), "conditions": {"per_class": 1, "classes": [0]},
+    return {"job_id": "bad", "output": str(tmp_path / "run"), "conditions": {"per_class": 2, "classes": [0]},
             "batch_size": 1, "max_shard_retries": 0,
             "arms": [{"name": "t", "family": "discrete_ar", "method": "target_only", "target": target}]}
 

@@ -523,3 +523,46 @@ def test_errors_name_the_bad_field():
     with pytest.raises(ValueError, match="u_accept"):
         verify("sd", P, Q, drafts, u[:, :1], ur)
     assert set(RULES) == {"sd", "block", "lantern", "cool_sd", "uniform_rsd"}
+
+
+def _circle(angles: list[float]) -> torch.Tensor:
+    a = torch.tensor(angles, dtype=torch.float64)
+    return torch.stack([torch.cos(a), torch.sin(a)], 1)
+
+
+def test_official_residual_zeroes_the_k_plus_one_nearest_neighbours():
+    """Spec §3.3: the released LlamaGen code zeroes Q on the k+1 nearest neighbours of the rejected
+    draft. The loop's table has k+1 columns; with k columns (the table before) the constructed case
+    below resamples from [0, 1/2, 0, 1/2] instead of [0, 1/3, 1/3, 1/3]: TV 1/3."""
+    from specray.methods.discrete.params import Lantern
+    from specray.methods.discrete.rules import rule_params_for
+
+    embeddings = _circle([0.0, 0.3, 0.6, 0.9])  # token 0's neighbours, nearest first: 1, 2, 3
+    params = rule_params_for(Lantern(k=1, lam=5.0, residual="official"), 4, embeddings)
+    assert params.neighbours.shape == (4, 2) and params.neighbours[0].tolist() == [1, 2]
+    P = torch.tensor([[[0.1, 0.3, 0.3, 0.3], [0.25, 0.25, 0.25, 0.25]]], dtype=torch.float64)
+    Q = torch.tensor([[[0.4, 0.1, 0.5, 0.0]]], dtype=torch.float64)  # budget 4 * 0.1 >= P(1): m* = 1
+    drafts, rejected = torch.tensor([[0]]), torch.tensor([0])
+    fixed = correction_dist("lantern", P, Q, drafts, rejected, params)[0][0]
+    k_only = RuleParams(**{**params.__dict__, "neighbours": params.neighbours[:, :1]})
+    before = correction_dist("lantern", P, Q, drafts, rejected, k_only)[0][0]
+    fixed, before = fixed / fixed.sum(), before / before.sum()
+    assert torch.allclose(fixed, torch.tensor([0.0, 1 / 3, 1 / 3, 1 / 3], dtype=torch.float64))
+    assert torch.allclose(before, torch.tensor([0.0, 0.5, 0.0, 0.5], dtype=torch.float64))
+    assert abs(0.5 * (fixed - before).abs().sum().item() - 1 / 3) < 1e-12
+
+
+def test_neighbourhoods_use_the_tokenizer_codebook_when_the_pair_has_one():
+    from types import SimpleNamespace
+
+    from specray.methods.discrete.params import Lantern
+    from specray.methods.discrete.rules import neighbourhood_space, rule_params_for_pair
+
+    embeddings = _circle([0.0, 0.3, 0.6, 0.9])  # from token 0: 1, 2, 3
+    codebook = _circle([0.0, 0.9, 0.6, 0.3])  # from token 0: 3, 2, 1
+    pair = SimpleNamespace(device=torch.device("cpu"),
+                           info={"vocab_size": 4, "token_embeddings": embeddings, "codebook": codebook})
+    assert neighbourhood_space(pair.info) is codebook
+    assert rule_params_for_pair(Lantern(k=2), pair).neighbours[0].tolist() == [3, 2, 1]
+    del pair.info["codebook"]
+    assert rule_params_for_pair(Lantern(k=2), pair).neighbours[0].tolist() == [1, 2, 3]

@@ -178,8 +178,18 @@ def test_builtin_demo_has_every_method_of_the_three_families():
     assert data["output"] == "runs/demo" and data["conditions"]["per_class"] == 100
     spec = builtin_demo_job()
     assert spec.num_samples == 1000
-    # One arm group per family, so every arm is timed on the same actor as its baseline.
-    assert len(spec.arm_groups()) == 3
+    # Every arm group (model pair) has a target_only arm: each arm is timed on the same actor as its baseline.
+    assert {key[0] for key, _ in spec.arm_groups()} == {"discrete_ar", "continuous_ar", "diffusion"}
+    for _, arms in spec.arm_groups():
+        assert any(a.method == "target_only" for a in arms)
+    # The COOL-SD paper's comparison on one EAGLE head: Eagle-1 (sd), LANTERN++ and COOL-SD, on a tree.
+    head_arms = {a.method for a in spec.arms if a.draft == "digits-gpt-eagle" and a.params.get("tree")}
+    assert {"sd", "lantern", "cool_sd"} <= head_arms
+    # The actors parse each arm's stored params again: every arm's must parse to themselves.
+    from specray.families import family as family_table
+
+    for arm in spec.arms:
+        assert family_table(arm.family).parse_params(arm.method, arm.params).to_dict() == arm.params, arm.name
     # Each family has target_only replicas at other seeds for the FID seed spread.
     for family in ("discrete_ar", "continuous_ar", "diffusion"):
         offsets = {a.seed_offset for a in spec.arms if a.family == family and a.method == "target_only"}

@@ -40,3 +40,31 @@ def test_trainer_writes_deterministic_fp16_weights(name, module, tmp_path, monke
     with safe_open(str(first), "pt") as f:
         meta = f.metadata()
     assert meta["steps"] == "3" and any("heldout" in key for key in meta)
+
+
+def test_head_trainer_is_deterministic_and_records_its_training(tmp_path, monkeypatch):
+    """`specray train` on the EAGLE head preset, shrunk to 8 generations and 3 steps, twice with one seed."""
+    from specray.models.discrete_ar import load_pair
+    from specray.models.eagle_head import EagleHead
+    from specray.models.presets.train import train
+
+    base = presets.get_preset("digits-gpt-eagle")
+    if not presets.get_preset(base.train["target"]).weights_path.exists():
+        pytest.skip("the head's target is not trained")
+    tiny = replace(base, name="digits-gpt-eagle-smoke", train={**base.train, "samples": 8, "heldout_samples": 4,
+                                                               "generation_batch": 8, "steps": 3, "batch_size": 4,
+                                                               "warmup_steps": 1})
+    monkeypatch.setitem(presets.PRESETS, tiny.name, tiny)
+    torch.set_num_threads(1)
+    first = train(tiny.name, tmp_path / "a", seed=0)
+    second = train(tiny.name, tmp_path / "b", seed=0)
+    a, b = load_file(str(first)), load_file(str(second))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert all(t.dtype == torch.float16 for t in a.values())
+    with safe_open(str(first), "pt") as f:
+        meta = f.metadata()
+    assert meta["steps"] == "3" and meta["target"] == "digits-gpt-target"
+    assert 0.0 < float(meta["heldout_first_draft_alpha"]) <= 1.0
+    assert '"kind": "eagle_head"' in meta["config"]
+    pair = load_pair("digits-gpt-target", str(first), "cpu")
+    assert isinstance(pair.draft, EagleHead) and pair.info["draft_kind"] == "eagle_head"

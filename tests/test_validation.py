@@ -81,7 +81,7 @@ CASES = [
     ("zero shard batches", "shard_batches", 0, "shard_batches", "must be an integer >= 1, got 0"),
     ("gamma 0", "arms[1].params.gamma", 0, "arms[1].params.gamma", "must be an integer in [1, 64], got 0"),
     ("misspelt param", "arms[1].params", {"gama": 3}, "arms[1].params.gama",
-     "allowed: ['cfg_scale', 'gamma', 'temperature', 'top_k', 'top_p']"),
+     "allowed: ['cfg_interval', 'cfg_scale', 'gamma', 'temperature', 'top_k', 'top_p', 'tree']"),
     ("class out of range", "conditions.classes", [3, 10], "conditions.classes[1]",
      "class label 10 out of range; allowed: 0..9"),
     ("unknown preset", "arms[0].target", "digits-gpt-huge", "arms[0].target",

@@ -468,21 +468,25 @@ def _law_baseline_for(arm: str, manifest: RunManifest,
 
 
 def _baseline_for(arm: str, manifest: RunManifest, results: dict[str, dict[str, Any]]) -> str | None:
-    """The job's ``eval.baseline`` if it names an arm of the same family/target, else the first
-    ``target_only`` arm with the same family and target (an arm that is one is its own baseline)."""
+    """The arm an arm's speedup is measured against, and its FID difference when it claims no law (an
+    arm that is a ``target_only`` one is its own baseline).
+
+    First choice, one of the same model pair (family, target and draft): arms of one pair run on the
+    same actor, batch by batch, so their wall times pair. Among those, the job's ``eval.baseline``
+    if it is one, else the first ``target_only`` arm. Failing that, the same with the same family
+    and target only (an arm with another draft, e.g. an EAGLE head, whose pair has no ``target_only``).
+    """
     entry = results[arm]
-    same_model = lambda other: (results[other]["family"], results[other]["target"]) == (entry["family"], entry["target"])  # noqa: E731
     named = manifest.baseline_arm
     if named in manifest.dropped_arms:
         named = None  # a partial report that lost the baseline arm: fall back to a target_only of the same model
-    if named is not None:
-        if named not in results:
-            raise ValueError(f"eval.baseline {named!r} is not an arm of this run; arms: {list(results)}")
-        if same_model(named):
-            return named
-    for other in results:
-        if results[other]["method"] == "target_only" and same_model(other):
-            return other
+    if named is not None and named not in results:
+        raise ValueError(f"eval.baseline {named!r} is not an arm of this run; arms: {list(results)}")
+    candidates = ([named] if named is not None else []) + [o for o in results if results[o]["method"] == "target_only"]
+    for fields in (("family", "target", "draft"), ("family", "target")):
+        for other in candidates:
+            if all(results[other][f] == entry[f] for f in fields):
+                return other
     return None
 
 

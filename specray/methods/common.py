@@ -115,13 +115,15 @@ class RoundTally:
         return self._slots[:n] if n <= self._slots.numel() else torch.arange(n, device=self._slots.device)
 
     def observe(self, rows: torch.Tensor | None, positions: torch.Tensor, drafted: torch.Tensor,
-                accepted: torch.Tensor) -> None:
+                accepted: torch.Tensor, drafted_count: torch.Tensor | None = None) -> None:
         """One round of batch rows ``rows [r]`` (None: every row, in order).
 
         ``positions [r, G]``: the token index of each draft slot; ``drafted``/``accepted`` ``[r, G]``:
         bool masks (accepted implies drafted). Slots past the row's draft are not drafted.
+        ``drafted_count [r]``: tokens drafted when a slot held several candidates (a draft tree: the
+        slots are its depths, the count its nodes); default ``drafted.sum(1)``.
         """
-        drafted_n = drafted.sum(1)
+        drafted_n = drafted.sum(1) if drafted_count is None else drafted_count
         accepted_n = accepted.sum(1)
         g = min(drafted.shape[1], self.gamma)
         if rows is None:

@@ -135,6 +135,8 @@ def _describe(annotation: Any, metadata: list[Any]) -> str:
         return "one of " + ", ".join(repr(a) for a in args)
     if annotation is bool:
         return "true or false"
+    if annotation is str:
+        return "a string"
     if annotation in (int, float):
         kind = "an integer" if annotation is int else "a number"
         return kind + _bounds(metadata)

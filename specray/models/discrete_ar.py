@@ -347,6 +347,13 @@ class DiscreteGPT(nn.Module):
         ``labels [B]``; ``image_tokens [B, N]`` (only tokens ``0..N-2`` are fed);
         ``drop_class [B]`` bool replaces the class with the null class (CFG training).
         """
+        return self.output(self.features(labels, image_tokens, drop_class)).float()
+
+    def features(
+        self, labels: torch.Tensor, image_tokens: torch.Tensor, drop_class: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """The last hidden state after the final norm, ``[B, N, D]``, of :meth:`forward` (what an
+        EAGLE draft head reads, and what the output layer maps to logits)."""
         b, n = image_tokens.shape
         cls = self.cls_embedding(labels, drop_class)[:, None]
         tok = self.tok_embeddings(image_tokens[:, : n - 1])
@@ -356,7 +363,7 @@ class DiscreteGPT(nn.Module):
         mask = torch.ones(n, n, dtype=torch.bool, device=h.device).tril()[None, None]
         for layer in self.layers:
             h = layer(h, rope, mask)
-        return self.output(self.norm(h)).float()
+        return self.norm(h)
 
     # ---- cached incremental forward ----------------------------------------------------
 
@@ -414,13 +421,50 @@ class DiscreteGPT(nn.Module):
         tokens = labels.to(torch.int64)[:, None]
         return self.forward_step(tokens, torch.zeros_like(tokens), cache, rows)[:, 0]
 
+    # ---- masked forward over explicit cache slots (static-tree verification, EAGLE heads) ----
+
+    def forward_tree(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        slots: torch.Tensor,
+        visible: torch.Tensor,
+        cache: KVCache,
+        rows: torch.Tensor | None = None,
+        prefix: bool = False,
+    ) -> torch.Tensor:
+        """Post-norm hidden states ``[r, n, D]`` of ``tokens [r, n]`` at sequence ``positions [r, n]``.
+
+        Unlike :meth:`forward_step`, where a token's cache slot is its position and it sees every
+        earlier slot, here K/V go to cache ``slots [r, n]`` and ``visible [r, n, S]`` (bool) says which
+        slots each token attends to: the nodes of a draft tree share positions (one per depth) but not
+        slots, and each sees only the committed prefix and its own ancestors. ``rows`` as in
+        :meth:`forward_step`; cache lengths are left alone (the caller knows which slots are
+        committed). ``prefix=True`` allows class labels at position 0. Logits: ``self.output(...)``.
+        """
+        if rows is None and tokens.shape[0] != cache.rows:
+            rows = torch.arange(tokens.shape[0], device=tokens.device)
+        if int(slots.max()) >= cache.max_len:
+            raise ValueError(f"slot {int(slots.max())} exceeds cache max_len={cache.max_len}")
+        if prefix:
+            h = self._embed(tokens, positions)
+        else:
+            h = F.embedding(tokens.clamp(0, self.config.vocab_size - 1), self.tok_embeddings.weight)
+        rope = self._rotary(positions)
+        write_rows = (torch.arange(tokens.shape[0], device=tokens.device) if rows is None else rows)[:, None]
+        for i, layer in enumerate(self.layers):
+            h = layer(h, rope, visible[:, None], (cache.keys[i], cache.values[i], rows, write_rows, slots))
+        return self.norm(h)
+
 
 # ---- loading ------------------------------------------------------------------------------
 
 
-def load_model(name_or_path: str | Path | dict, device: torch.device | str = "cpu") -> DiscreteGPT:
+def load_model(name_or_path: str | Path | dict, device: torch.device | str = "cpu") -> nn.Module:
     """A preset by name, a ``.safetensors`` file whose metadata holds ``config`` (JSON), or a
-    ``{format: ...}`` reference loaded by the family table's loader for that format."""
+    ``{format: ...}`` reference loaded by the family table's loader for that format.
+
+    A config with ``kind: eagle_head`` is an EAGLE draft head (``specray.models.eagle_head``)."""
     import json
 
     if isinstance(name_or_path, dict):
@@ -435,18 +479,22 @@ def load_model(name_or_path: str | Path | dict, device: torch.device | str = "cp
             meta = f.metadata() or {}
         if "config" not in meta:
             raise ValueError(f"{path}: safetensors metadata lacks 'config'")
-        config = GPTConfig.from_dict(json.loads(meta["config"]))
+        raw = json.loads(meta["config"])
     else:
         from specray.models.presets import get_preset
 
         preset = get_preset(str(name_or_path))
         if preset.family != "discrete_ar":
             raise ValueError(f"preset {preset.name!r} is family {preset.family!r}, expected 'discrete_ar'")
-        config = GPTConfig.from_dict(preset.config)
+        raw = preset.config
         path = preset.weights_path
         if not path.exists():
             raise FileNotFoundError(f"weights of preset {preset.name!r} missing at {path}; run `specray train {preset.name}`")
-    model = DiscreteGPT(config)
+    if raw.get("kind") == "eagle_head":
+        from specray.models.eagle_head import load_head
+
+        return load_head(raw, path, device)
+    model = DiscreteGPT(GPTConfig.from_dict(raw))
     state = {k: v.float() for k, v in load_file(str(path)).items()}
     model.load_state_dict(state)
     return model.to(device).eval()
@@ -459,7 +507,7 @@ def load_generator(ref: str | Path | dict, device: torch.device | str) -> tuple[
         from specray.families import load_formatted_model
 
         loaded = load_formatted_model("discrete_ar", ref, device)
-        if isinstance(loaded, DiscreteGPT):  # a format whose loader returns the GPT alone
+        if isinstance(loaded, nn.Module):  # a format whose loader returns the model alone (a GPT, a head)
             return loaded, None, {}
         return loaded.gpt, loaded.decoder, loaded.info  # a release: the GPT and its tokenizer
     return load_model(ref, device), None, {}
@@ -475,9 +523,17 @@ def load_pair(target: str | dict, draft: str | dict | None, device: torch.device
 
     device = torch.device(device)
     target_model, decoder, target_info = load_generator(target, device)
+    if not isinstance(target_model, DiscreteGPT):
+        raise ValueError(f"target {target!r} is a {type(target_model).__name__}, not a GPT; an EAGLE head can only be a draft")
     draft_model = load_generator(draft, device)[0] if draft is not None else None
     tc = target_model.config
-    if draft_model is not None:
+    draft_kind = None if draft_model is None else "gpt"
+    if draft_model is not None and not isinstance(draft_model, DiscreteGPT):
+        from specray.models.eagle_head import check_head_for_target
+
+        check_head_for_target(draft_model, target_model, draft)
+        draft_kind = "eagle_head"
+    elif draft_model is not None:
         dc = draft_model.config
         for field in ("vocab_size", "num_classes", "grid_size"):
             if getattr(dc, field) != getattr(tc, field):
@@ -492,6 +548,7 @@ def load_pair(target: str | dict, draft: str | dict | None, device: torch.device
         "token_embeddings": target_model.tok_embeddings.weight.detach(),
         "target_config": asdict(tc),
         "draft_config": asdict(draft_model.config) if draft_model is not None else None,
+        "draft_kind": draft_kind,
         "tokenizer": "identity_digits" if decoder is None else "vq",
         "image_decoder": decoder,
         "codebook": decoder.codebook() if decoder is not None else None,

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from specray.models.configs import dataclass_from_dict
 from specray.models.digits import load_digits_split
 from specray.models.discrete_ar import DiscreteGPT, GPTConfig
 
@@ -34,14 +35,7 @@ class TrainConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> "TrainConfig":
-        allowed = set(cls.__dataclass_fields__)
-        unknown = set(d) - allowed
-        if unknown:
-            raise ValueError(f"unknown training fields {sorted(unknown)}; allowed: {sorted(allowed)}")
-        d = dict(d)
-        if "betas" in d:
-            d["betas"] = tuple(d["betas"])
-        return cls(**d)
+        return dataclass_from_dict(cls, d, "training")
 
 
 def image_tokens(images: torch.Tensor) -> torch.Tensor:
@@ -143,6 +137,10 @@ def train_preset(name: str, out_dir: Path, seed: int = 0) -> Path:
     preset = get_preset(name)
     if preset.family != "discrete_ar":
         raise ValueError(f"preset {name!r} is family {preset.family!r}; this trainer handles 'discrete_ar'")
+    if preset.config.get("kind") == "eagle_head":
+        from specray.models.eagle_train import train_head_preset
+
+        return train_head_preset(name, out_dir, seed)
     model_config = GPTConfig.from_dict(preset.config)
     train_config = TrainConfig.from_dict(preset.train)
     model, record = train_model(model_config, train_config, seed=seed, log_every=100)

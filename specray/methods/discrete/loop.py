@@ -362,8 +362,13 @@ def generate_tokens(method: str | Method, params: Any, pair: ModelPair, labels: 
                 raise ValueError(f"method {method.name!r} needs a draft model; the pair has none")
             if method.rule is None:
                 raise ValueError(f"method {method.name!r} names no verification rule in the family table")
-            verifier = method.rule()(params, pair)
-            tokens, tally = _speculative(verifier, params, pair, labels, sample_ids, seed)
+            if params.tree is not None or pair.info.get("draft_kind") == "eagle_head":
+                from specray.methods.discrete.eagle_loop import head_speculative
+
+                tokens, tally = head_speculative(method, params, pair, labels, sample_ids, seed)
+            else:
+                verifier = method.rule()(params, pair)
+                tokens, tally = _speculative(verifier, params, pair, labels, sample_ids, seed)
         else:
             tokens, tally = _target_only(pair, params, labels, sample_ids, seed)
     num_tokens = pair.target.config.num_image_tokens

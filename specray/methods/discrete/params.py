@@ -13,6 +13,7 @@ from typing import Annotated, ClassVar, Literal
 
 from pydantic import Field, model_validator
 
+from specray.methods.discrete.trees import TreeError, resolve_tree
 from specray.methods.params import Gamma, MethodParams, ParamError
 
 
@@ -42,14 +43,44 @@ class TargetOnly(Sampling):
 
 
 class Speculative(Sampling):
-    """A draft -> verify -> commit method. ``rule`` names its verification rule in ``rules.py``."""
+    """A draft -> verify -> commit method. ``rule`` names its verification rule in ``rules.py``.
+
+    ``tree``: draft a static tree instead of a chain of ``gamma`` tokens (needs an EAGLE head as the
+    draft; spec §3.5): a named tree (``trees.NAMED_TREES``) or a list of node paths. The tree's depth
+    is then the draft length, so ``gamma`` is not given.
+    """
 
     rule: ClassVar[str]
     gamma: Gamma = 4
+    tree: str | list[list[int]] | None = None
+
+    @model_validator(mode="after")
+    def _tree(self) -> "Speculative":
+        if self.tree is None:
+            return self
+        try:
+            resolve_tree(self.tree)
+        except TreeError as exc:
+            raise ParamError("tree", str(exc)) from None
+        if "gamma" in self.model_fields_set:
+            raise ParamError("gamma", "a tree sets the draft length (its depth); give gamma or tree, not both")
+        return self
 
     @property
     def needs_draft(self) -> bool:
         return True
+
+    def to_dict(self) -> dict:
+        # A chain's parameters read as before trees existed: same params column, same job fingerprint.
+        # A tree's carry no gamma (its depth is the draft length), so they parse again as they were given.
+        out = super().to_dict()
+        out.pop("tree" if out.get("tree") is None else "gamma", None)
+        return out
+
+    @property
+    def draft_length(self) -> int:
+        """Tokens a round may accept: ``gamma``, or the tree's depth."""
+        return self.gamma if self.tree is None else resolve_tree(self.tree).depth
 
 
 class SD(Speculative):
@@ -59,9 +90,16 @@ class SD(Speculative):
 
 
 class Block(Speculative):
-    """Block verification (spec §2): exact, never fewer tokens than ``sd`` in expectation."""
+    """Block verification (spec §2): exact, never fewer tokens than ``sd`` in expectation. Chains only."""
 
     rule: ClassVar[str] = "block"
+
+    @model_validator(mode="after")
+    def _chain_only(self) -> "Block":
+        if self.tree is not None:
+            raise ParamError("tree", "block verification is defined for one draft block (a chain); "
+                                     "allowed: null (use sd, lantern, cool_sd or uniform_rsd on a tree)")
+        return self
 
 
 class Lantern(Speculative):
@@ -103,13 +141,14 @@ class CoolSD(Speculative):
         """μ itself: mean normalisation over the full round (mean ω = δ) when ``mu`` is null."""
         if self.mu is not None:
             return self.mu
-        return math.log(sum(math.exp(-self.nu * i) for i in range(1, self.gamma + 1)) / self.gamma)
+        length = self.draft_length
+        return math.log(sum(math.exp(-self.nu * i) for i in range(1, length + 1)) / length)
 
     @property
     def lossless(self) -> bool:
         # With every ω_i <= 1 the relaxed rule only tightens acceptance and G* restores the law.
         mu = self.resolved_mu()
-        return max(self.delta * math.exp(-self.nu * i - mu) for i in range(1, self.gamma + 1)) <= 1.0
+        return max(self.delta * math.exp(-self.nu * i - mu) for i in range(1, self.draft_length + 1)) <= 1.0
 
 
 class UniformRSD(Speculative):

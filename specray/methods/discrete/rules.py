@@ -304,27 +304,42 @@ def correction_dist(rule: str, P: torch.Tensor, Q: torch.Tensor, drafts: torch.T
     j = n_accepted.clamp(max=gamma - 1)
     p_j = _row_at(P, n_accepted)  # the bonus position for bonus rows
     q_j = _row_at(Q, j)
-    guard = p_j
-    if rule == "sd":
-        residual = (p_j - q_j).clamp_(min=0)
-    elif rule == "block":
+    if rule == "block":
         weights = block_weights(P, Q, drafts) if block_w is None else block_w
         w_tau = _row_at(weights, n_accepted).unsqueeze(-1)
-        residual = (w_tau * p_j - q_j).clamp_(min=0)
-    elif rule in ("cool_sd", "uniform_rsd"):
-        omega = _row_at(_omegas_on(rule, gamma, params, P.device).expand(j.shape[0], gamma), j).unsqueeze(-1)
-        residual = (p_j - torch.minimum(q_j, omega * p_j)).clamp_(min=0)
-    elif params.residual == "gstar":
-        relaxed = relaxed_target_mass_all_tokens(
-            p_j, params.neighbours, params.k, params.mode, params.lam, params.delta,
-            params.forbid_zero_target_mass,
-        )
-        residual = (p_j - torch.minimum(q_j, relaxed)).clamp(min=0)
+        residual, guard = (w_tau * p_j - q_j).clamp_(min=0), p_j
     else:
-        residual, guard = _lantern_official_residual(p_j, q_j, _row_at(drafts, j), params)
+        omega = None
+        if rule in ("cool_sd", "uniform_rsd"):
+            omega = _row_at(_omegas_on(rule, gamma, params, P.device).expand(j.shape[0], gamma), j).unsqueeze(-1)
+        residual, guard = rejection_residual(rule, p_j, q_j, _row_at(drafts, j), params, omega)
     fallback = (residual.sum(-1) <= 0) & ~is_bonus
     residual = torch.where(fallback.unsqueeze(-1), guard, residual)
     return torch.where(is_bonus.unsqueeze(-1), p_j, residual), fallback
+
+
+def rejection_residual(rule: str, p: torch.Tensor, q: torch.Tensor, draft: torch.Tensor, params: RuleParams,
+                       omega: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """What a chain rule (not block) resamples from after rejecting ``draft``: ``[p − q·f]_+``, unnormalised.
+
+    ``p``, ``q`` ``[..., V]`` the target and draft laws at the rejected position (normalised float64),
+    ``draft [...]`` the rejected token, ``omega [..., 1]`` the COOL-SD multiplier there. Returns
+    ``(residual, guard)``: the guard is what to sample from where the residual has no mass.
+    Shared by the chain rules and the tree's per-child recursion (``tree_rules``).
+    """
+    if rule == "sd":
+        return (p - q).clamp_(min=0), p
+    if rule in ("cool_sd", "uniform_rsd"):
+        return (p - torch.minimum(q, omega * p)).clamp_(min=0), p
+    if rule != "lantern":
+        raise ValueError(f"rule {rule!r} has no per-position residual; allowed: sd, lantern, cool_sd, uniform_rsd")
+    if params.residual == "gstar":
+        relaxed = relaxed_target_mass_all_tokens(
+            p.reshape(-1, p.shape[-1]), params.neighbours, params.k, params.mode, params.lam, params.delta,
+            params.forbid_zero_target_mass,
+        ).reshape(p.shape)
+        return (p - torch.minimum(q, relaxed)).clamp(min=0), p
+    return _lantern_official_residual(p, q, draft, params)
 
 
 def _lantern_official_residual(p_j: torch.Tensor, q_j: torch.Tensor, draft_j: torch.Tensor,
@@ -426,13 +441,16 @@ def rule_params_for(params: method_params.Speculative, vocab_size: int | None = 
         rule_params = RuleParams(k=params.k, lam=params.lam, delta=params.delta, mode=params.mode,
                                  residual=params.residual, forbid_zero_target_mass=params.forbid_zero_target_mass)
         if embeddings is not None and params.k > 0:
-            rule_params.neighbours = neighbours_from_embeddings(embeddings.float(), params.k,
+            # k + 1 columns: the official residual zeroes the k+1 nearest neighbours (spec §3.3);
+            # the relaxed mass reads the first k.
+            columns = min(params.k + 1, embeddings.shape[0] - 1)
+            rule_params.neighbours = neighbours_from_embeddings(embeddings.float(), columns,
                                                                 normalize=params.normalize_embeddings)
         return rule_params
     if isinstance(params, method_params.CoolSD):
         mu = params.mu
         if mu is None:  # the mean-normalised mu of the full round, fixed for shortened last rounds
-            positions = torch.arange(1, params.gamma + 1, dtype=torch.float64)
+            positions = torch.arange(1, params.draft_length + 1, dtype=torch.float64)
             mu = math.log(torch.exp(-params.nu * positions).mean().item())
         return RuleParams(delta=params.delta, nu=params.nu, mu=mu)
     if isinstance(params, method_params.UniformRSD):
@@ -440,12 +458,26 @@ def rule_params_for(params: method_params.Speculative, vocab_size: int | None = 
     return RuleParams()
 
 
-def verifier_for(params: method_params.Speculative, pair) -> Verifier:
-    """The built-in rules' factory: ``verify(P, Q, drafts, u_accept, u_residual)`` for one run on ``pair``."""
-    rule_params = rule_params_for(params, pair.info.get("vocab_size"), pair.info.get("token_embeddings"))
+def neighbourhood_space(info: dict) -> torch.Tensor | None:
+    """The vectors LANTERN's neighbourhoods are measured in (spec §3.1): the tokenizer's codebook when
+    the pair has one (``info["codebook"]``, e.g. LlamaGen's VQ-16), else the target's input embeddings
+    (right for the digits presets, whose identity tokenizer has no codebook)."""
+    codebook = info.get("codebook")
+    return codebook if codebook is not None else info.get("token_embeddings")
+
+
+def rule_params_for_pair(params: method_params.Speculative, pair) -> RuleParams:
+    """:func:`rule_params_for` with the pair's vocabulary and neighbourhood space, on the pair's device."""
+    rule_params = rule_params_for(params, pair.info.get("vocab_size"), neighbourhood_space(pair.info))
     if rule_params.neighbours is not None:
         rule_params.neighbours = rule_params.neighbours.to(pair.device)
     validate_params(params.rule, rule_params)
+    return rule_params
+
+
+def verifier_for(params: method_params.Speculative, pair) -> Verifier:
+    """The built-in rules' factory: ``verify(P, Q, drafts, u_accept, u_residual)`` for one run on ``pair``."""
+    rule_params = rule_params_for_pair(params, pair)
 
     def verify_round(P, Q, drafts, u_accept, u_residual) -> VerifyOutput:
         return verify(params.rule, P, Q, drafts, u_accept, u_residual, rule_params)

@@ -29,7 +29,8 @@ def train(name: str, out_dir: Path = WEIGHTS_DIR, seed: int = 0) -> Path:
 
 
 def all_preset_names() -> list[str]:
+    """Every preset, those trained from another model (an EAGLE head from its target) after the rest."""
     from specray.models.presets import _load_all
 
     _load_all()
-    return sorted(PRESETS)
+    return sorted(PRESETS, key=lambda name: ("target" in PRESETS[name].train, name))

@@ -1,0 +1,406 @@
+"""Drafting with an EAGLE head: chains of γ head steps, or a static tree (spec discrete_sd §3.5, §6).
+
+The head (:class:`~specray.models.eagle_head.EagleHead`) drafts from the target's own hidden states,
+so the target calls here return the hidden states (after the final norm) along with the processed
+distributions, and the batch keeps them per sequence position (``TargetStream.features``). Rows are
+ragged as in the GPT-draft loop (``loop.py``): each row has its own committed length ``n_b``.
+
+One round for the active rows:
+
+1. CATCH UP: the head re-reads the last ``depth + 1`` committed positions with the target's *true*
+   hidden states (it drafted them from its own predictions last round), up to position ``n_b``,
+   whose output is the law of the first draft. Positions are clamped at 1, the first one the head
+   has (``f_0`` and image token 0); repeated ones rewrite the same slot with the same values.
+2. DRAFT: chain — γ − 1 more head steps, each fed its previous prediction and the token it drew.
+   Tree — one head call per depth over that depth's internal nodes; every node's children are
+   drawn without replacement from the head's processed law (a child past the law's support is not
+   drafted). Tree node ``v`` lives in cache slot ``n_b + v`` (the root, the last committed token,
+   in ``n_b``) at sequence position ``n_b + depth(v)``, and attends to the committed prefix and its
+   own ancestors.
+3. VERIFY: one target call on ``[last committed token, drafts]`` (the chain causally, the tree with
+   its tree mask); both CFG streams, logits CFG-combined and processed as the sampler does.
+4. DECIDE: the chain rules of the family table, or :func:`~specray.methods.discrete.tree_rules.verify_tree`.
+5. COMMIT: the accepted tokens and the correction / bonus; for a tree, the target's K/V and hidden
+   states of the accepted path move from the nodes' scratch slots to their sequence positions.
+
+Randomness (``specray.rng``): the first image token as in every method; a chain uses the GPT-draft
+loop's keys (:class:`~specray.methods.discrete.loop.RoundUniforms`); a tree node ``v`` at depth ``t``
+draws its token and acceptance uniform from streams "draft" / "accept" at position ``n_b + t - 1``
+(the image-token index it would take), step = round, index = the node's rank among the tree's
+nodes of depth ``t``; the correction / bonus from "residual" at position ``n_b``. A one-path tree
+therefore has exactly the chain's keys, and gives the chain's tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specray import rng
+from specray.families import Method
+from specray.methods.common import RoundTally
+from specray.methods.discrete.loop import RoundUniforms, _decide, _next_round
+from specray.methods.discrete.params import Sampling, Speculative
+from specray.methods.discrete.processing import process_with
+from specray.methods.discrete.rules import RuleParams, rule_params_for_pair
+from specray.methods.discrete.tree_rules import (
+    TREE_RULES,
+    tree_index,
+    verify_tree,
+)
+from specray.methods.discrete.trees import StaticTree, resolve_tree
+from specray.models.discrete_ar import DiscreteGPT, KVCache
+from specray.models.eagle_head import EagleHead, head_logits
+from specray.models.pair import ModelPair
+
+
+class _Streams:
+    """Cache rows of a batch's samples: sample ``b`` in row ``b`` and, with CFG, its uncond stream in ``batch + b``."""
+
+    def __init__(self, batch: int, sampling: Sampling) -> None:
+        self.batch = batch
+        self.sampling = sampling
+        self.guided = sampling.uses_uncond
+        self.rows = 2 * batch if self.guided else batch
+        self.calls = 0
+
+    def cache_rows(self, idx: torch.Tensor) -> torch.Tensor:
+        return torch.cat([idx, idx + self.batch]) if self.guided else idx
+
+    def both(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` for the cond rows, repeated for the uncond rows."""
+        return torch.cat([x, x]) if self.guided else x
+
+    def process(self, logits: torch.Tensor) -> torch.Tensor:
+        r = logits.shape[0] // 2 if self.guided else logits.shape[0]
+        return process_with(self.sampling, logits[:r], logits[r:] if self.guided else None)
+
+
+class TargetStream(_Streams):
+    """The target's cache plus its hidden state at every sequence position (``features``)."""
+
+    def __init__(self, model: DiscreteGPT, batch: int, sampling: Sampling, max_len: int) -> None:
+        super().__init__(batch, sampling)
+        self.model = model
+        weight = model.output.weight
+        # One tensor per K and V over all layers (the cache's per-layer tensors are views of it), so
+        # moving the accepted path's slots is one copy, not two per layer.
+        shape = (len(model.layers), self.rows, max_len, model.config.n_head, model.config.head_dim)
+        self.keys = torch.zeros(shape, dtype=weight.dtype, device=weight.device)
+        self.values = torch.zeros(shape, dtype=weight.dtype, device=weight.device)
+        self.cache = KVCache([self.keys[i] for i in range(shape[0])], [self.values[i] for i in range(shape[0])],
+                             torch.zeros(self.rows, dtype=torch.int64, device=weight.device))
+        self.features = torch.zeros(self.rows, max_len, model.config.dim, dtype=weight.dtype, device=weight.device)
+
+    def probs(self, idx: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+              visible: torch.Tensor, prefix: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """Processed laws ``[r, n, V]`` and hidden states ``[rows, n, D]`` (cond rows, then uncond)."""
+        self.calls += 1
+        fed = tokens
+        if self.guided:
+            uncond = torch.where(positions == 0, self.model.null_class, tokens) if prefix else tokens
+            fed = torch.cat([tokens, uncond])
+        hidden = self.model.forward_tree(fed, self.both(positions), self.both(slots), self.both(visible), self.cache,
+                                         rows=self.cache_rows(idx), prefix=prefix)
+        return self.process(self.model.output(hidden).float()), hidden
+
+    def keep_features(self, idx: torch.Tensor, slots: torch.Tensor, hidden: torch.Tensor) -> None:
+        """Store hidden states ``[rows, k, D]`` at ``slots [r, k]`` of the samples ``idx``."""
+        self.features[self.cache_rows(idx)[:, None], self.both(slots)] = hidden.to(self.features.dtype)
+
+    def read_features(self, idx: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        return self.features[self.cache_rows(idx)[:, None], self.both(slots)]
+
+    def move(self, idx: torch.Tensor, source: torch.Tensor, dest: torch.Tensor, hidden: torch.Tensor) -> None:
+        """Move K/V of slots ``source [r, k]`` to ``dest [r, k]`` and store ``hidden [rows, k, D]`` at ``dest``."""
+        rows = self.cache_rows(idx)[:, None]
+        src, dst = self.both(source), self.both(dest)
+        self.keys[:, rows, dst] = self.keys[:, rows, src]  # the right-hand side is a copy: overlaps are safe
+        self.values[:, rows, dst] = self.values[:, rows, src]
+        self.features[rows, dst] = hidden.to(self.features.dtype)
+
+
+class HeadStream(_Streams):
+    """The EAGLE head's cache; its logits come from the target's output layer."""
+
+    def __init__(self, head: EagleHead, target: DiscreteGPT, batch: int, sampling: Sampling, max_len: int) -> None:
+        super().__init__(batch, sampling)
+        self.head = head
+        self.target = target
+        self.cache = head.new_cache(self.rows, max_len)
+
+    def probs(self, idx: torch.Tensor, features: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
+              slots: torch.Tensor, visible: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Processed laws ``[r, n, V]`` and predicted hidden states ``[rows, n, D]`` (cond, then uncond rows)."""
+        self.calls += 1
+        predicted = self.head.forward_cached(features, self.both(tokens), self.both(positions), self.both(slots),
+                                             self.both(visible), self.cache, rows=self.cache_rows(idx))
+        return self.process(head_logits(self.target, predicted)), predicted
+
+
+def _causal(positions: torch.Tensor, max_len: int, first: int = 0) -> torch.Tensor:
+    """``visible [r, n, S]``: slot s is seen from position p iff ``first <= s <= p``."""
+    slots = torch.arange(max_len, device=positions.device)
+    return (slots >= first) & (slots <= positions[:, :, None])
+
+
+def _catch_up(head: HeadStream, target: TargetStream, idx: torch.Tensor, n: torch.Tensor, tokens: torch.Tensor,
+              window: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """1. CATCH UP to position ``n``: the first draft's law ``[r, V]`` and the head's prediction there ``[rows, D]``."""
+    positions = (n[:, None] - window + 1 + torch.arange(window, device=n.device)).clamp(min=1)
+    fed = tokens.gather(1, positions - 1)  # image token s - 1 is fed at position s
+    features = target.read_features(idx, positions - 1)
+    q, predicted = head.probs(idx, features, fed, positions, positions,
+                              _causal(positions, head.cache.max_len, first=1))
+    return q[:, -1], predicted[:, -1]
+
+
+# ---- chain ------------------------------------------------------------------------------------------
+
+
+def _chain(method: Method, params: Speculative, pair: ModelPair, labels: torch.Tensor, sample_ids: torch.Tensor,
+           seed: int) -> tuple[torch.Tensor, RoundTally]:
+    target_model: DiscreteGPT = pair.target
+    gamma = params.gamma
+    num_tokens = target_model.config.num_image_tokens
+    batch, device = labels.shape[0], labels.device
+    max_len = target_model.max_seq_len + gamma + 1
+    target = TargetStream(target_model, batch, params, max_len)
+    head = HeadStream(pair.draft, target_model, batch, params, max_len)
+    verifier = method.rule()(params, pair)
+    tokens = torch.zeros(batch, num_tokens + gamma + 1, dtype=torch.int64, device=device)
+    committed = _prefill(target, labels, sample_ids, seed, tokens)
+    tally = RoundTally(batch, gamma, num_tokens, device)
+    tally.add_calls(None, target=1)
+    uniforms = RoundUniforms(seed, sample_ids, num_tokens + gamma + 1)
+    all_rows = torch.arange(batch, device=device)
+    steps = torch.arange(gamma + 1, device=device)
+    vocab = target_model.config.vocab_size
+    for it in range(num_tokens):
+        rnd = _next_round(committed, num_tokens, gamma, labels, tokens, all_rows, steps)
+        if rnd is None:
+            break
+        u = uniforms.round(it, rnd.idx, rnd.positions[:, :gamma])
+        r = rnd.idx.shape[0]
+        drafts = torch.zeros(r, gamma, dtype=torch.int64, device=device)
+        Q = torch.zeros(r, gamma, vocab, dtype=torch.float32, device=device)
+        q, predicted = _catch_up(head, target, rnd.idx, rnd.n, rnd.tokens, gamma + 1)
+        for i in range(gamma):
+            if i:
+                positions = rnd.positions[:, i : i + 1]
+                q, out = head.probs(rnd.idx, predicted[:, None], drafts[:, i - 1 : i], positions, positions,
+                                    _causal(positions, max_len, first=1))
+                q, predicted = q[:, 0], out[:, 0]
+            Q[:, i] = q
+            drafts[:, i] = rng.sample_categorical(q, u[:, i, 0])
+        rnd.tokens.scatter_(1, rnd.positions[:, :gamma], drafts)
+        P, hidden = target.probs(rnd.idx, rnd.tokens.gather(1, rnd.fed_positions), rnd.positions, rnd.positions,
+                                 _causal(rnd.positions, max_len))
+        target.keep_features(rnd.idx, rnd.positions, hidden)
+        n_acc, next_token = _decide(verifier, rnd, P, Q, drafts, u[:, :, 1], u[:, 0, 2])
+        _commit_tokens(rnd.idx, rnd.full, rnd.n, n_acc, next_token, rnd.tokens, tokens, committed)
+        tally.observe_prefix(None if rnd.full else rnd.idx, rnd.positions[:, :gamma], rnd.n_drafts, n_acc)
+        tally.add_calls(None if rnd.full else rnd.idx, target=1, draft=gamma)
+    tally.flush()
+    return tokens[:, :num_tokens], tally
+
+
+def _prefill(target: TargetStream, labels: torch.Tensor, sample_ids: torch.Tensor, seed: int,
+             tokens: torch.Tensor) -> torch.Tensor:
+    """0. PREFILL: image token 0 from the target (keyed like target_only's) and its hidden state ``f_0``."""
+    batch = labels.shape[0]
+    idx = torch.arange(batch, device=labels.device)
+    zero = torch.zeros(batch, 1, dtype=torch.int64, device=labels.device)
+    probs0, hidden = target.probs(idx, labels[:, None], zero, zero, _causal(zero, target.cache.max_len), prefix=True)
+    target.keep_features(idx, zero, hidden)
+    tokens[:, 0] = rng.categorical(probs0[:, 0], seed, sample_ids, "target", position=0)
+    return torch.ones(batch, dtype=torch.int64, device=labels.device)
+
+
+def _commit_tokens(idx: torch.Tensor, full: bool, n: torch.Tensor, n_acc: torch.Tensor, next_token: torch.Tensor,
+                   row_tokens: torch.Tensor, tokens: torch.Tensor, committed: torch.Tensor) -> None:
+    """The accepted drafts are in ``row_tokens`` already; the correction / bonus follows them."""
+    row_tokens.scatter_(1, (n + n_acc)[:, None], next_token[:, None])
+    if full:
+        committed.copy_(n + n_acc + 1)
+    else:
+        tokens[idx] = row_tokens
+        committed[idx] = n + n_acc + 1
+
+
+# ---- tree -------------------------------------------------------------------------------------------
+
+
+class _TreePlan:
+    """Everything about a tree a round reuses, built once per batch: per depth, the internal nodes the
+    head runs on, their attention rows and their children; and the round's uniforms.
+
+    Uniforms: node ``v`` at depth ``t`` draws from streams "draft" / "accept" at position
+    ``n_b + t - 1``, index = its rank among the nodes of depth ``t``; the residual at position ``n_b``.
+    Like :class:`~specray.methods.discrete.loop.RoundUniforms` they are computed for every position and
+    a chunk of rounds at once (the same values as one ``rng.uniform`` call per key).
+    """
+
+    def __init__(self, tree: StaticTree, device: torch.device, seed: int, sample_ids: torch.Tensor,
+                 num_positions: int) -> None:
+        self.tree = tree
+        self.index = index = tree_index(tree, device)
+        self.spare = tree.num_nodes + 1  # the column absent children write to
+        self.levels = []  # per depth: (internal node ids, their internal indices, their parents, kids per slot)
+        for depth in range(tree.depth):
+            nodes = list(tree.levels[depth])
+            slots = []
+            for j in range(tree.max_children):
+                kids = [tree.children[v][j] if j < len(tree.children[v]) else self.spare for v in nodes]
+                if any(k != self.spare for k in kids):
+                    slots.append((torch.tensor(kids, device=device), torch.tensor([k != self.spare for k in kids],
+                                                                                 device=device)))
+            ids = torch.tensor(nodes, device=device)
+            self.levels.append((ids, index.internal_of[ids], index.parents[ids].clamp(min=0), slots))
+        ranks, seen = [0], {}
+        for depth in tree.depths[1:]:
+            ranks.append(seen.get(depth, 0))
+            seen[depth] = ranks[-1] + 1
+        self.offset = torch.tensor([max(d - 1, 0) for d in tree.depths], device=device)
+        self.rank = torch.tensor(ranks, device=device)
+        self.width = max(seen.values())
+        self.seed, self.sample_ids = seed, sample_ids
+        self.positions = torch.arange(num_positions, device=device)
+        self.chunk = max(4, min(32, 256 // max(1, sample_ids.shape[0])))
+        self.chunks: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+
+    def uniforms(self, step: int, idx: torch.Tensor, n: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Uniforms ``[r, N+1]`` of streams draft and accept per node, and the residual ``[r]``, of rows ``idx``."""
+        while len(self.chunks) <= step // self.chunk:
+            first = len(self.chunks) * self.chunk
+            steps = torch.arange(first, first + self.chunk, device=self.positions.device)[None, None, :]
+            sids, positions = self.sample_ids[:, None, None], self.positions[None, :, None]
+            self.chunks.append(tuple(
+                rng.uniform(self.seed, sids, stream, position=positions, step=steps, shape=shape)
+                for stream, shape in (("draft", (self.width,)), ("accept", (self.width,)), ("residual", ()))))
+        draft, accept, residual = (u[:, :, step % self.chunk] for u in self.chunks[step // self.chunk])
+        if idx.shape[0] != draft.shape[0]:
+            draft, accept, residual = draft[idx], accept[idx], residual[idx]
+        rows = torch.arange(idx.shape[0], device=idx.device)[:, None]
+        node_positions = n[:, None] + self.offset[None]
+        return (draft[rows, node_positions, self.rank], accept[rows, node_positions, self.rank],
+                residual.gather(1, n[:, None])[:, 0])
+
+    def visible(self, n: torch.Tensor, nodes: torch.Tensor, max_len: int, first: int) -> torch.Tensor:
+        """``visible [r, len(nodes), S]``: committed slots ``first .. n - 1`` and the nodes' own root path."""
+        r = n.shape[0]
+        slots = torch.arange(max_len, device=n.device)
+        committed = ((slots >= first) & (slots < n[:, None]))[:, None, :].expand(r, nodes.shape[0], max_len)
+        tree_slots = (n[:, None] + torch.arange(self.spare, device=n.device))[:, None, :]
+        on_path = self.index.visible[nodes][None].expand(r, -1, -1)
+        return committed.clone().scatter_(2, tree_slots.expand(-1, nodes.shape[0], -1), on_path)
+
+    def draw_children(self, depth: int, q: torch.Tensor, u_draft: torch.Tensor, node_tokens: torch.Tensor,
+                      node_valid: torch.Tensor) -> None:
+        """Children of depth ``depth``'s internal nodes, without replacement from their laws ``q [r, L, V]``.
+
+        ``node_tokens`` / ``node_valid`` ``[r, N+2]``: a spare last column takes the absent children's writes.
+        """
+        nodes, _, _, slots = self.levels[depth]
+        left = q.to(torch.float64)
+        parent_valid = node_valid[:, nodes]
+        u = torch.cat([u_draft, u_draft[:, :1]], 1)  # a spare column for absent children
+        for kids, exists in slots:
+            mass = left.sum(-1)
+            drawn = exists & (mass > 0) & parent_valid
+            token = rng.sample_categorical(torch.where(mass[..., None] > 0, left, 1.0), u[:, kids])
+            node_tokens[:, kids] = torch.where(drawn, token, 0)
+            node_valid[:, kids] = drawn
+            left = left.masked_fill(torch.zeros_like(left, dtype=torch.bool).scatter_(-1, token[..., None],
+                                                                                   drawn[..., None]), 0.0)
+
+
+def _tree(params: Speculative, pair: ModelPair, labels: torch.Tensor, sample_ids: torch.Tensor,
+          seed: int) -> tuple[torch.Tensor, RoundTally]:
+    target_model: DiscreteGPT = pair.target
+    tree = resolve_tree(params.tree)
+    depth, nodes = tree.depth, tree.num_nodes + 1
+    num_tokens = target_model.config.num_image_tokens
+    batch, device = labels.shape[0], labels.device
+    plan = _TreePlan(tree, device, seed, sample_ids, num_tokens + depth + 1)
+    index = plan.index
+    max_len = target_model.max_seq_len + nodes
+    target = TargetStream(target_model, batch, params, max_len)
+    head = HeadStream(pair.draft, target_model, batch, params, max_len)
+    rule_params = tree_rule_params(params, pair)
+    tokens = torch.zeros(batch, num_tokens + depth + 1, dtype=torch.int64, device=device)
+    committed = _prefill(target, labels, sample_ids, seed, tokens)
+    tally = RoundTally(batch, depth, num_tokens, device)
+    tally.add_calls(None, target=1)
+    node_ids = torch.arange(nodes, device=device)
+    depth_steps = torch.arange(depth, device=device)
+    node_depth = index.depths[1:, None] == depth_steps[None] + 1  # [N, depth]: node v sits at depth t + 1
+    vocab = target_model.config.vocab_size
+    for it in range(num_tokens):
+        idx = torch.nonzero(committed < num_tokens).squeeze(1)
+        if idx.numel() == 0:
+            break
+        n = committed[idx]
+        r = idx.shape[0]
+        row_tokens = tokens[idx]
+        u_draft, u_accept, u_residual = plan.uniforms(it, idx, n)
+
+        # 1-2. CATCH UP, then one head call per depth over that depth's internal nodes.
+        node_tokens = torch.zeros(r, nodes + 1, dtype=torch.int64, device=device)
+        node_valid = torch.zeros(r, nodes + 1, dtype=torch.bool, device=device)
+        node_valid[:, 0] = True
+        Q = torch.zeros(r, index.internal.shape[0], vocab, dtype=torch.float32, device=device)
+        predicted = torch.zeros(2 * r if head.guided else r, nodes, target_model.config.dim, device=device)
+        q, predicted[:, 0] = _catch_up(head, target, idx, n, row_tokens, depth + 1)
+        Q[:, 0] = q
+        plan.draw_children(0, q[:, None], u_draft, node_tokens, node_valid)
+        for t in range(1, depth):
+            level, internal, parents, _ = plan.levels[t]
+            positions = (n + t)[:, None].expand(r, level.shape[0])
+            q, out = head.probs(idx, predicted[:, parents], node_tokens[:, level], positions, n[:, None] + level,
+                                plan.visible(n, level, max_len, first=1))
+            predicted[:, level] = out
+            Q[:, internal] = q
+            plan.draw_children(t, q, u_draft, node_tokens, node_valid)
+        node_tokens, node_valid = node_tokens[:, :nodes], node_valid[:, :nodes]
+
+        # 3-4. VERIFY the whole tree in one target call, DECIDE depth by depth.
+        fed = torch.cat([row_tokens.gather(1, (n - 1)[:, None]), node_tokens[:, 1:]], dim=1)
+        slots = n[:, None] + node_ids
+        P, hidden = target.probs(idx, fed, n[:, None] + index.depths, slots, plan.visible(n, node_ids, max_len, first=0))
+        verifiable = node_valid & (index.depths[None] <= (num_tokens - 1 - n)[:, None])  # room left in the image
+        out = verify_tree(params.rule, index, P, Q, node_tokens, verifiable, u_accept, u_residual, rule_params)
+
+        # 5. COMMIT: accepted node at depth t + 1 -> image token n + t, sequence position n + t + 1.
+        n_acc, path = out.n_accepted, out.path
+        accepted = depth_steps[None] < n_acc[:, None]
+        dest = n[:, None] + 1 + depth_steps
+        row_tokens.scatter_(1, torch.where(accepted, dest - 1, n[:, None] + depth), node_tokens.gather(1, path))
+        target.keep_features(idx, n[:, None], hidden[:, :1])
+        kept = torch.where(accepted, slots.gather(1, path), dest)  # rejected depths move onto themselves
+        path_rows = torch.arange(hidden.shape[0], device=device)[:, None]
+        target.move(idx, kept, dest, hidden[path_rows, head.both(path)])
+        _commit_tokens(idx, False, n, n_acc, out.next_token, row_tokens, tokens, committed)
+        drafted = verifiable[:, 1:]
+        tally.observe(idx, n[:, None] + depth_steps, (drafted[:, :, None] & node_depth[None]).any(1), accepted,
+                      drafted_count=drafted.sum(1))
+        tally.add_calls(idx, target=1, draft=depth)
+    tally.flush()
+    return tokens[:, :num_tokens], tally
+
+
+def tree_rule_params(params: Speculative, pair: ModelPair) -> RuleParams:
+    """The rule's parameters for a tree round: COOL-SD's μ normalised over the tree's depth (spec §4.6)."""
+    if params.rule not in TREE_RULES:
+        raise ValueError(f"rule {params.rule!r} cannot verify a tree; allowed: {', '.join(TREE_RULES)}")
+    return rule_params_for_pair(params, pair)
+
+
+def head_speculative(method: Method, params: Speculative, pair: ModelPair, labels: torch.Tensor,
+                     sample_ids: torch.Tensor, seed: int) -> tuple[torch.Tensor, RoundTally]:
+    """Image tokens ``[B, N]`` and the round tally of an arm drafting with an EAGLE head."""
+    if not isinstance(pair.draft, EagleHead):
+        raise ValueError(f"static-tree drafting needs an EAGLE head as the draft; {pair.draft_name!r} is a "
+                         f"{type(pair.draft).__name__}")
+    if params.tree is None:
+        return _chain(method, params, pair, labels, sample_ids, seed)
+    return _tree(params, pair, labels, sample_ids, seed)
