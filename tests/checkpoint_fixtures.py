@@ -43,9 +43,27 @@ def llamagen_draft(**overrides) -> dict:
             "tokenizer_arch": dict(LLAMAGEN_VQ_ARCH), **overrides}
 
 
+LLAMAGEN_T2I_ARCH = {"n_layer": 2, "n_head": 2, "dim": 32, "vocab_size": 64, "multiple_of": 32, "caption_dim": 16}
+LLAMAGEN_T2I_DRAFT_ARCH = {**LLAMAGEN_T2I_ARCH, "n_layer": 1}
+
+
+def llamagen_t2i_target(**overrides) -> dict:
+    """The tiny t2i GPT; its tokenizer is the c2i fixture's VQ (the t2i release's VQ-16 has the same layout)."""
+    return {"format": "llamagen-t2i", "path": str(FIXTURES / "llamagen_t2i" / "t2i_tiny.pt"), "size": "custom",
+            "image_size": 8, "tokenizer": str(FIXTURES / "llamagen" / "vq_tiny.pt"), "output_size": 16,
+            "arch": dict(LLAMAGEN_T2I_ARCH), "tokenizer_arch": dict(LLAMAGEN_VQ_ARCH), **overrides}
+
+
+def llamagen_t2i_draft(**overrides) -> dict:
+    return {"format": "llamagen-t2i", "path": str(FIXTURES / "llamagen_t2i" / "t2i_tiny_draft.pt"),
+            "size": "custom", "image_size": 8, "arch": dict(LLAMAGEN_T2I_DRAFT_ARCH),
+            "tokenizer_arch": dict(LLAMAGEN_VQ_ARCH), **overrides}
+
+
 def tiny_reference(fmt: str, role: str) -> dict:
     """The tiny stand-in for a release reference of format ``fmt`` as ``role`` ("target" / "draft")."""
     makers = {"llamagen-c2i": (llamagen_target, llamagen_draft), "diffusers-ddpm": (ddpm_target, ddpm_draft),
+              "llamagen-t2i": (llamagen_t2i_target, llamagen_t2i_draft),
               "mar": (mar_target, mar_draft), "diffusers-dit": (dit_target, dit_target)}
     target, draft = makers[fmt]
     return target() if role == "target" else draft()
