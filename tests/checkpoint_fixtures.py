@@ -133,3 +133,20 @@ def single_thread():
 
 def dit_target(**overrides) -> dict:
     return {"format": "diffusers-dit", "path": str(FIXTURES / "dit" / "dit_tiny"), **overrides}
+
+
+def tiny_t5_folder(folder: Path, d_model: int = 16) -> Path:
+    """A T5 encoder with random weights from a transformers config (``d_model`` wide, the tiny t2i GPT's
+    caption_dim) and a word-level tokenizer, saved as a local folder."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast, T5Config, T5EncoderModel
+
+    words = ["<pad>", "</s>", "<unk>", "a", "an", "the", "of", "on", "with", "man", "cat", "dog", "table", "street"]
+    backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", eos_token="</s>",
+                            unk_token="<unk>").save_pretrained(str(folder))
+    torch.manual_seed(0)
+    config = T5Config(vocab_size=len(words), d_model=d_model, d_kv=4, d_ff=32, num_layers=2, num_heads=2)
+    T5EncoderModel(config).save_pretrained(str(folder), safe_serialization=True)
+    return folder

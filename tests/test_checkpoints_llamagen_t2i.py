@@ -227,7 +227,7 @@ def test_missing_and_unexpected_keys_are_refused_by_name(tmp_path):
 
 
 @pytest.mark.parametrize("change, field", [
-    ({"size": "GPT-B"}, "size"),
+    ({"size": "GPT-7B"}, "size"),
     ({"arch": {"n_layer": 2, "num_classes": 10}}, "arch"),
     ({"caption_padding": "middle"}, "caption_padding"),
     ({"path": "/nonexistent/t2i_XL_stage1_256.pt"}, "path"),

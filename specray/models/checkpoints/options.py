@@ -37,7 +37,7 @@ LLAMAGEN_SIZES: dict[str, dict[str, int]] = {
 # GETTING_STARTED.md of LlamaGen: --cfg-scale of the FID-50K commands.
 LLAMAGEN_FID_CFG = {"GPT-B": 2.0, "GPT-L": 2.0, "GPT-XL": 1.75, "GPT-XXL": 1.75, "GPT-3B": 1.65}
 LLAMAGEN_ARCH_FIELDS = ("n_layer", "n_head", "dim", "vocab_size", "num_classes", "multiple_of")
-# Text-to-image releases (t2i_XL_stage1_256.pt, t2i_XL_stage2_512.pt): GPT-XL only.
+# Text-to-image releases (t2i_XL_stage1_256.pt, t2i_XL_stage2_512.pt) are GPT-XL.
 LLAMAGEN_T2I_ARCH_FIELDS = ("n_layer", "n_head", "dim", "vocab_size", "multiple_of", "caption_dim", "cls_token_num")
 VQ_ARCH_FIELDS = ("codebook_size", "codebook_embed_dim", "z_channels", "ch", "ch_mult", "num_res_blocks")
 
@@ -158,9 +158,11 @@ class LlamaGenOptions(FormatOptions):
 class LlamaGenT2IOptions(LlamaGenOptions):
     """A LlamaGen text-to-image GPT (``t2i_XL_stage1_256.pt`` / ``t2i_XL_stage2_512.pt``:
     ``{"model": ...}``) with the VQ-16 tokenizer of the t2i release (``vq_ds16_t2i.pt``). Its prefix
-    is 120 flan-t5-xl token features (2048 wide) projected by the caption MLP; prompts only."""
+    is 120 flan-t5-xl token features (2048 wide) projected by the caption MLP; prompts only.
+    GPT-XL is the released size; the other sizes are what the official ``train_t2i.py`` trains
+    (``--gpt-model``), e.g. a smaller draft."""
 
-    size: Literal["GPT-XL", "custom"]
+    size: Literal["GPT-B", "GPT-L", "GPT-XL", "GPT-XXL", "GPT-3B", "custom"]
     image_size: Annotated[int, Field(ge=8)]  # 256 (stage 1, 16x16 tokens) or 512 (stage 2, 32x32)
     tokenizer: str | None = None  # vq_ds16_t2i.pt
     # COCO FID is computed at 256 px (the official evaluations/t2i script); None keeps the native size.
