@@ -200,6 +200,11 @@ def _llamagen_loader():
     return load
 
 
+def _llamagen_t2i_loader():
+    from specray.models.checkpoints.llamagen_t2i import load
+    return load
+
+
 def _mar_loader():
     from specray.models.checkpoints.mar import load
     return load
@@ -238,6 +243,9 @@ FAMILIES: dict[str, Family] = {
         formats={
             "llamagen-c2i": ModelFormat("llamagen-c2i", _opts.LlamaGenOptions, _llamagen_loader,
                                         "LlamaGen class-conditional GPT (c2i_*.pt) + VQ-16 tokenizer"),
+            "llamagen-t2i": ModelFormat("llamagen-t2i", _opts.LlamaGenT2IOptions, _llamagen_t2i_loader,
+                                        "LlamaGen text-to-image GPT-XL (t2i_XL_stage*.pt, T5 caption prefix) "
+                                        "+ VQ-16 tokenizer"),
             "eagle-head": ModelFormat("eagle-head", _draft_formats.EagleHeadFile, _head_file_loader,
                                       "an EAGLE draft head written by `specray train` (draft only)"),
             "lantern-llamagen": ModelFormat("lantern-llamagen", _draft_formats.LanternDrafter,

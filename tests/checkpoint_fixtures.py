@@ -43,9 +43,27 @@ def llamagen_draft(**overrides) -> dict:
             "tokenizer_arch": dict(LLAMAGEN_VQ_ARCH), **overrides}
 
 
+LLAMAGEN_T2I_ARCH = {"n_layer": 2, "n_head": 2, "dim": 32, "vocab_size": 64, "multiple_of": 32, "caption_dim": 16}
+LLAMAGEN_T2I_DRAFT_ARCH = {**LLAMAGEN_T2I_ARCH, "n_layer": 1}
+
+
+def llamagen_t2i_target(**overrides) -> dict:
+    """The tiny t2i GPT; its tokenizer is the c2i fixture's VQ (the t2i release's VQ-16 has the same layout)."""
+    return {"format": "llamagen-t2i", "path": str(FIXTURES / "llamagen_t2i" / "t2i_tiny.pt"), "size": "custom",
+            "image_size": 8, "tokenizer": str(FIXTURES / "llamagen" / "vq_tiny.pt"), "output_size": 16,
+            "arch": dict(LLAMAGEN_T2I_ARCH), "tokenizer_arch": dict(LLAMAGEN_VQ_ARCH), **overrides}
+
+
+def llamagen_t2i_draft(**overrides) -> dict:
+    return {"format": "llamagen-t2i", "path": str(FIXTURES / "llamagen_t2i" / "t2i_tiny_draft.pt"),
+            "size": "custom", "image_size": 8, "arch": dict(LLAMAGEN_T2I_DRAFT_ARCH),
+            "tokenizer_arch": dict(LLAMAGEN_VQ_ARCH), **overrides}
+
+
 def tiny_reference(fmt: str, role: str) -> dict:
     """The tiny stand-in for a release reference of format ``fmt`` as ``role`` ("target" / "draft")."""
     makers = {"llamagen-c2i": (llamagen_target, llamagen_draft), "diffusers-ddpm": (ddpm_target, ddpm_draft),
+              "llamagen-t2i": (llamagen_t2i_target, llamagen_t2i_draft),
               "mar": (mar_target, mar_draft), "diffusers-dit": (dit_target, dit_target)}
     target, draft = makers[fmt]
     return target() if role == "target" else draft()
@@ -115,3 +133,20 @@ def single_thread():
 
 def dit_target(**overrides) -> dict:
     return {"format": "diffusers-dit", "path": str(FIXTURES / "dit" / "dit_tiny"), **overrides}
+
+
+def tiny_t5_folder(folder: Path, d_model: int = 16) -> Path:
+    """A T5 encoder with random weights from a transformers config (``d_model`` wide, the tiny t2i GPT's
+    caption_dim) and a word-level tokenizer, saved as a local folder."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast, T5Config, T5EncoderModel
+
+    words = ["<pad>", "</s>", "<unk>", "a", "an", "the", "of", "on", "with", "man", "cat", "dog", "table", "street"]
+    backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", eos_token="</s>",
+                            unk_token="<unk>").save_pretrained(str(folder))
+    torch.manual_seed(0)
+    config = T5Config(vocab_size=len(words), d_model=d_model, d_kv=4, d_ff=32, num_layers=2, num_heads=2)
+    T5EncoderModel(config).save_pretrained(str(folder), safe_serialization=True)
+    return folder

@@ -9,7 +9,7 @@ The official code is imported from copies kept OUTSIDE this repository (never co
 
     OFFICIAL=/tmp/official
     git --git-dir=<LlamaGen mirror> show HEAD:autoregressive/models/gpt.py > $OFFICIAL/LlamaGen/...
-    python tools/make_reference_fixtures.py --official $OFFICIAL [llamagen mar diffusers]
+    python tools/make_reference_fixtures.py --official $OFFICIAL [llamagen llamagen-t2i mar diffusers]
 
 Expected layout: ``$OFFICIAL/LlamaGen/{autoregressive/models/gpt.py, autoregressive/models/generate.py,
 tokenizer/tokenizer_image/vq_model.py, utils/drop_path.py}`` (FoundationVision/LlamaGen),
@@ -137,6 +137,104 @@ def make_llamagen(root: Path) -> None:
         ref["vq_decoded"] = decoded.numpy()
         resized = torch.nn.functional.interpolate(decoded, size=(16, 16), mode="bicubic")
         ref["vq_uint8_16"] = torch.clamp(127.5 * resized + 128.0, 0, 255).permute(0, 2, 3, 1).to(torch.uint8).numpy()
+    np.savez_compressed(out / "reference.npz", **ref)
+    print(f"wrote {out}")
+
+
+# ---- LlamaGen text-to-image -------------------------------------------------------------------------
+
+LLAMAGEN_T2I_GPT = dict(n_layer=2, n_head=2, dim=32, vocab_size=64, multiple_of=32, caption_dim=16)
+LLAMAGEN_T2I_DRAFT = dict(n_layer=1, n_head=2, dim=32, vocab_size=64, multiple_of=32, caption_dim=16)
+T2I_PREFIX = 120  # cls_token_num of the release (the official CaptionEmbedder's null caption has 120 rows)
+T2I_CAPTION_LENGTHS = (7, 31)  # valid T5 tokens of the two recorded captions
+T2I_SETTINGS = {  # (cfg_scale, temperature, top_k, top_p): sample_t2i.py's defaults, and a mixed one
+    "official": (7.5, 1.0, 1000, 1.0),
+    "mixed": (4.0, 0.9, 20, 0.9),
+}
+
+
+def _official_t2i_inputs(features: torch.Tensor, mask: torch.Tensor, left: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """sample_t2i.py's preparation of T5 outputs: left padding by default, padded features zeroed."""
+    if left:
+        new_mask = torch.flip(mask, dims=[-1])
+        rows = []
+        for emb, m in zip(features, mask):
+            valid = int(m.sum().item())
+            rows.append(torch.cat([emb[valid:], emb[:valid]]))
+        new_features = torch.stack(rows)
+    else:
+        new_features, new_mask = features, mask
+    return new_features * new_mask[:, :, None], new_mask
+
+
+def _t2i_attention_mask(emb_masks: torch.Tensor, length: int) -> torch.Tensor:
+    """dataset/t2i.py's training mask (and generate()'s): causal, caption padding hidden, diagonal kept."""
+    mask = torch.tril(torch.ones(length, length))[None].repeat(emb_masks.shape[0], 1, 1)
+    mask[:, :, :T2I_PREFIX] = mask[:, :, :T2I_PREFIX] * emb_masks[:, None, :]
+    eye = torch.eye(length)
+    return (mask * (1 - eye) + eye).to(torch.bool)[:, None]
+
+
+def make_llamagen_t2i(root: Path) -> None:
+    _official_path(root, "LlamaGen")
+    from autoregressive.models.generate import generate, logits_to_probs
+    from autoregressive.models.gpt import ModelArgs, Transformer
+
+    out = OUT / "llamagen_t2i"
+    out.mkdir(parents=True, exist_ok=True)
+    n = LLAMAGEN_GRID**2
+
+    def gpt(arch, seed):
+        torch.manual_seed(seed)  # the null caption (a buffer) is drawn at construction
+        model = Transformer(ModelArgs(block_size=n, cls_token_num=T2I_PREFIX, model_type="t2i",
+                                      class_dropout_prob=0.1, **arch)).eval()
+        _randomize(model, seed, gain=1.5)
+        return model
+
+    target, draft = gpt(LLAMAGEN_T2I_GPT, 41), gpt(LLAMAGEN_T2I_DRAFT, 42)
+    torch.save({"model": _half_rounded(target), "steps": 1}, out / "t2i_tiny.pt")  # {"model": ...} as released
+    torch.save({"model": _half_rounded(draft)}, out / "t2i_tiny_draft.pt")
+
+    g = torch.Generator().manual_seed(0)
+    dim = LLAMAGEN_T2I_GPT["caption_dim"]
+    # Encoder outputs as T5Embedder returns them: right-padded to 120, non-zero at padded positions.
+    features = torch.randn(2, T2I_PREFIX, dim, generator=g)
+    mask = torch.zeros(2, T2I_PREFIX, dtype=torch.long)
+    for b, length in enumerate(T2I_CAPTION_LENGTHS):
+        mask[b, :length] = 1
+    tokens = torch.randint(0, 64, (2, n), generator=g)
+    ref: dict[str, np.ndarray] = {"caption_features": features.numpy(), "caption_mask": mask.numpy(),
+                                  "tokens": tokens.numpy()}
+    length = T2I_PREFIX + n - 1
+    with torch.no_grad():
+        for name, left in (("left", True), ("right", False)):
+            cond, emb_masks = _official_t2i_inputs(features, mask, left)
+            full, _ = target(tokens[:, :-1], cond, input_pos=torch.arange(length),
+                             mask=_t2i_attention_mask(emb_masks, length))
+            ref[f"full_logits_{name}"] = full[:, T2I_PREFIX - 1:].numpy()
+        cond, emb_masks = _official_t2i_inputs(features, mask, True)
+        # The sampler's path (generate()): KV cache, [cond; null caption] rows under the same masks.
+        target.setup_caches(max_batch_size=4, max_seq_length=length + 1, dtype=torch.float32)
+        target.causal_mask[:, :, :T2I_PREFIX] *= torch.cat([emb_masks, emb_masks]).unsqueeze(1).bool()
+        eye = torch.eye(target.causal_mask.size(1), dtype=torch.bool)
+        target.causal_mask[:] = target.causal_mask & ~eye | eye
+        null = torch.zeros_like(cond) + target.cls_embedding.uncond_embedding
+        steps = [target(None, torch.cat([cond, null]), input_pos=torch.arange(T2I_PREFIX))[0][:, -1]]
+        for i in range(n - 1):
+            x = tokens[:, i : i + 1]
+            steps.append(target(torch.cat([x, x]), cond_idx=None, input_pos=torch.tensor([T2I_PREFIX + i]))[0][:, -1])
+        cached = torch.stack(steps, dim=1)  # [4, n, V]
+        ref["cached_cond_logits"], ref["cached_uncond_logits"] = cached[:2].numpy(), cached[2:].numpy()
+        for name, (cfg, temp, top_k, top_p) in T2I_SETTINGS.items():
+            probs = [logits_to_probs(cached[2:, t] + (cached[:2, t] - cached[2:, t]) * cfg, temperature=temp,
+                                     top_k=top_k, top_p=top_p) for t in range(n)]
+            ref[f"probs_{name}"] = torch.stack(probs, dim=1).numpy()
+            greedy = generate(target, cond, n, emb_masks, cfg_scale=cfg, temperature=temp, top_k=top_k, top_p=top_p,
+                              sample_logits=False)
+            ref[f"greedy_{name}"] = greedy.numpy()
+        greedy = generate(target, cond, n, emb_masks, cfg_scale=1.0, temperature=1.0, top_k=0, top_p=1.0,
+                          sample_logits=False)
+        ref["greedy_nocfg"] = greedy.numpy()
     np.savez_compressed(out / "reference.npz", **ref)
     print(f"wrote {out}")
 
@@ -343,10 +441,11 @@ def make_dit() -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--official", type=Path, default=Path("/tmp/official"))
-    parser.add_argument("families", nargs="*", default=["llamagen", "mar", "diffusers"])
+    parser.add_argument("families", nargs="*", default=["llamagen", "llamagen-t2i", "mar", "diffusers"])
     args = parser.parse_args()
     torch.manual_seed(0)
-    makers = {"llamagen": make_llamagen, "mar": make_mar, "diffusers": make_diffusers}
+    makers = {"llamagen": make_llamagen, "llamagen-t2i": make_llamagen_t2i, "mar": make_mar,
+              "diffusers": make_diffusers}
     for name in args.families:
         makers[name](args.official)
 

@@ -57,18 +57,27 @@ class SampleStats:
 def bind_conditions(conditions: Any, pair: Any) -> torch.Tensor:
     """The per-row condition ids the loops feed a model: class labels as they are; for prompts
     (``specray.models.text.TextFeatures``) the batch's features go to the pair's text-conditioned
-    models and row ``b``'s id is ``b`` (``specray.models.conditioning``)."""
+    models and row ``b``'s id is ``b``. A caption-prefix model (LlamaGen t2i,
+    ``specray.models.captions``) gets the token-level features and mask; the built-in text models
+    (``specray.models.conditioning``) get the pooled features."""
+    from specray.models.captions import caption_embedders, set_caption_features
     from specray.models.conditioning import set_prompt_features, text_embeddings
     from specray.models.text import TextFeatures
 
-    text_model = bool(text_embeddings(pair.target))
+    caption_model = bool(caption_embedders(pair.target))
+    text_model = caption_model or bool(text_embeddings(pair.target))
     if isinstance(conditions, TextFeatures):
         if not text_model:
             raise ValueError(f"model {pair.target_name!r} is class-conditioned; prompts need a text-conditioned model")
-        set_prompt_features(conditions.pooled, pair.target, pair.draft)
+        if caption_model:
+            set_caption_features(conditions.tokens, conditions.mask, pair.target, pair.draft)
+        else:
+            set_prompt_features(conditions.pooled, pair.target, pair.draft)
         return torch.arange(len(conditions), device=pair.device)
     if text_model:
-        raise ValueError(f"model {pair.target_name!r} is text-conditioned; give it prompts, not class labels")
+        kind = "a text-to-image model (caption prefix)" if caption_model else "text-conditioned"
+        raise ValueError(f"model {pair.target_name!r} is {kind}; give it prompts "
+                         "(conditions: {kind: prompts, ...}), not class labels")
     return conditions
 
 

@@ -13,6 +13,13 @@ LlamaGen's all-zero cos/sin rows by default (``prefix_rope="zeros"``, what the
 released checkpoints were trained with) or the identity rotation
 (``prefix_rope="identity"``).
 
+Caption prefix (``condition="caption"``, LlamaGen t2i): sequence position 0 stands for the
+whole caption, ``cls_token_num`` (120) cache slots of projected T5 token features
+(:mod:`specray.models.captions`); position ``p >= 1`` sits in slot ``p + cls_token_num - 1``.
+So the loops keep their layout (position 0 is the condition, position ``p`` predicts image
+token ``p``) while the model attends over the real slots, with the caption's padded slots
+masked as keys. All prefix slots get the zero RoPE rows, as in the official table.
+
 The cache is static: ``[rows, max_len]`` slots per layer, slot = sequence
 position. Each row has its own length; a call writes K/V at the rows' own
 positions and each query attends to slots ``<= its position``, so slots left
@@ -30,11 +37,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specray.models.captions import CAPTION_PADDINGS, CaptionEmbedder
 from specray.models.conditioning import TextConditionEmbedding
 from specray.models.pair import ModelPair
 
 PREFIX_ROPE_MODES = ("zeros", "identity")
-CONDITIONS = ("class", "text")
+CONDITIONS = ("class", "text", "caption")
 
 
 @dataclass(frozen=True)
@@ -54,9 +62,12 @@ class GPTConfig:
     token_dropout_p: float = 0.0
     prefix_rope: str = "zeros"
     cls_token_num: int = 1
-    condition: str = "class"  # "class": a class label at position 0; "text": a prompt's features there
+    condition: str = "class"  # "class": a class label at position 0; "text": a prompt's features there;
+    # "caption": cls_token_num projected token features of a prompt (LlamaGen t2i)
     text_dim: int = 384  # width of the prompt features ("text" only)
     text_encoder: str = "minilm"  # the encoder whose features the model was trained on ("text" only)
+    caption_dim: int = 2048  # width of the token features ("caption" only; flan-t5-xl: 2048)
+    caption_padding: str = "left"  # where a caption's padding goes in the prefix ("caption" only)
 
     def __post_init__(self) -> None:
         if self.dim % self.n_head:
@@ -65,10 +76,14 @@ class GPTConfig:
             raise ValueError(f"head_dim={self.dim // self.n_head} must be divisible by 4 for 2-D RoPE")
         if self.prefix_rope not in PREFIX_ROPE_MODES:
             raise ValueError(f"prefix_rope={self.prefix_rope!r}; allowed: {', '.join(PREFIX_ROPE_MODES)}")
-        if self.cls_token_num != 1:
-            raise ValueError("cls_token_num must be 1 (one conditioning token)")
         if self.condition not in CONDITIONS:
             raise ValueError(f"condition={self.condition!r}; allowed: {', '.join(CONDITIONS)}")
+        if self.cls_token_num != 1 and self.condition != "caption":
+            raise ValueError("cls_token_num must be 1 (one conditioning token) unless condition is 'caption'")
+        if self.cls_token_num < 1:
+            raise ValueError(f"cls_token_num={self.cls_token_num} must be at least 1")
+        if self.caption_padding not in CAPTION_PADDINGS:
+            raise ValueError(f"caption_padding={self.caption_padding!r}; allowed: {', '.join(CAPTION_PADDINGS)}")
 
     @property
     def head_dim(self) -> int:
@@ -267,7 +282,10 @@ class KVCache:
 
     keys: list[torch.Tensor]
     values: list[torch.Tensor]
-    lengths: torch.Tensor  # int64 [rows]: slots 0..length-1 hold committed K/V
+    lengths: torch.Tensor  # int64 [rows]: sequence positions 0..length-1 hold committed K/V
+    # Caption models: which prefix slots hold caption tokens ([rows, cls_token_num] bool); the
+    # others are hidden from every query but their own.
+    prefix_valid: torch.Tensor | None = None
 
     @property
     def rows(self) -> int:
@@ -292,6 +310,9 @@ class DiscreteGPT(nn.Module):
         self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
         if config.condition == "text":  # position 0 reads the batch's prompt features (null = num_classes)
             self.cls_embedding = TextConditionEmbedding(config.text_dim, config.dim, config.num_classes)
+        elif config.condition == "caption":  # position 0 stands for cls_token_num caption slots
+            self.cls_embedding = CaptionEmbedder(config.caption_dim, config.dim, config.cls_token_num,
+                                                 config.num_classes, config.caption_padding)
         else:
             self.cls_embedding = LabelEmbedding(config.num_classes, config.dim, config.class_dropout_prob)
         self.tok_dropout = nn.Dropout(config.token_dropout_p)
@@ -312,6 +333,17 @@ class DiscreteGPT(nn.Module):
     @property
     def null_class(self) -> int:
         return self.config.num_classes
+
+    @property
+    def caption_conditioned(self) -> bool:
+        return self.config.condition == "caption"
+
+    def null_prefix(self, tokens: torch.Tensor) -> torch.Tensor:
+        """What the CFG unconditional stream is fed at position 0 in place of ``tokens``: the null
+        class; for a caption model the null caption under the row's own caption mask (id + offset)."""
+        if self.caption_conditioned:
+            return tokens + self.null_class
+        return torch.full_like(tokens, self.null_class)
 
     @property
     def max_seq_len(self) -> int:
@@ -354,6 +386,8 @@ class DiscreteGPT(nn.Module):
     ) -> torch.Tensor:
         """The last hidden state after the final norm, ``[B, N, D]``, of :meth:`forward` (what an
         EAGLE draft head reads, and what the output layer maps to logits)."""
+        if self.caption_conditioned:
+            raise ValueError("teacher-forced forward takes class labels; a caption model runs through forward_step")
         b, n = image_tokens.shape
         cls = self.cls_embedding(labels, drop_class)[:, None]
         tok = self.tok_embeddings(image_tokens[:, : n - 1])
@@ -372,10 +406,14 @@ class DiscreteGPT(nn.Module):
         max_len = self.max_seq_len if max_len is None else max_len
         p = self.output.weight
         shape = (batch_rows, max_len, self.config.n_head, self.config.head_dim)
+        prefix_valid = None
+        if self.caption_conditioned:
+            prefix_valid = torch.ones(batch_rows, self.config.cls_token_num, dtype=torch.bool, device=p.device)
         return KVCache(
             keys=[torch.zeros(shape, dtype=p.dtype, device=p.device) for _ in self.layers],
             values=[torch.zeros(shape, dtype=p.dtype, device=p.device) for _ in self.layers],
             lengths=torch.zeros(batch_rows, dtype=torch.int64, device=p.device),
+            prefix_valid=prefix_valid,
         )
 
     def forward_step(
@@ -393,11 +431,15 @@ class DiscreteGPT(nn.Module):
         ``last position + 1``. A token at position 0 is a class label.
         Positions of a row must be consecutive and start at or before its cache length.
         ``prefix=False`` promises that no position is 0 (skips the class-embedding path; same result).
+        A caption model's position 0 (a caption id, see :mod:`specray.models.captions`) fills its
+        ``cls_token_num`` prefix slots; every row of such a call must start at position 0.
         """
         if rows is None and tokens.shape[0] != cache.rows:
             rows = torch.arange(tokens.shape[0], device=tokens.device)  # the first r rows
         if positions.shape != tokens.shape:
             raise ValueError(f"positions shape {tuple(positions.shape)} != tokens shape {tuple(tokens.shape)}")
+        if self.caption_conditioned:
+            return self._caption_step(tokens, positions, cache, rows, prefix)
         if int(positions.max()) >= cache.max_len:
             raise ValueError(f"position {int(positions.max())} exceeds cache max_len={cache.max_len}")
         if prefix is False:
@@ -410,6 +452,44 @@ class DiscreteGPT(nn.Module):
         write_rows = (torch.arange(tokens.shape[0], device=tokens.device) if rows is None else rows)[:, None]
         for i, layer in enumerate(self.layers):
             h = layer(h, rope, mask, (cache.keys[i], cache.values[i], rows, write_rows, positions))
+        if rows is None:
+            cache.lengths.copy_(positions[:, -1] + 1)
+        else:
+            cache.lengths[rows] = positions[:, -1] + 1
+        return self.output(self.norm(h)).float()
+
+    def _caption_step(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache,
+                      rows: torch.Tensor | None, prefix: bool | None) -> torch.Tensor:
+        """:meth:`forward_step` of a caption model: positions map to slots ``p + cls_token_num - 1``,
+        position 0 to the whole caption prefix; caption padding is masked as keys."""
+        prefix_len = self.config.cls_token_num
+        write_rows = (torch.arange(tokens.shape[0], device=tokens.device) if rows is None else rows)
+        starts = positions[:, 0] == 0
+        with_prefix = prefix is not False and bool(starts.any())
+        if with_prefix and not bool(starts.all()):
+            raise ValueError("a caption model's call must start every row at position 0 or none")
+        tok = F.embedding(tokens.clamp(0, self.config.vocab_size - 1), self.tok_embeddings.weight)
+        slots = positions + (prefix_len - 1)
+        if with_prefix:
+            caption, caption_mask = self.cls_embedding(tokens[:, 0])
+            cache.prefix_valid[write_rows] = caption_mask
+            h = torch.cat([caption.to(tok.dtype), tok[:, 1:]], dim=1)
+            prefix_slots = torch.arange(prefix_len, device=tokens.device).expand(tokens.shape[0], -1)
+            slots = torch.cat([prefix_slots, slots[:, 1:]], dim=1)
+        else:
+            h = tok
+        if int(slots.max()) >= cache.max_len:
+            raise ValueError(f"slot {int(slots.max())} exceeds cache max_len={cache.max_len}")
+        rope = self._rotary(slots)
+        key_slots = torch.arange(cache.max_len, device=tokens.device)
+        valid = cache.prefix_valid if rows is None else cache.prefix_valid[rows]
+        visible = torch.cat([valid, valid.new_ones(valid.shape[0], cache.max_len - prefix_len)], dim=1)
+        causal = key_slots[None, None, :] <= slots[:, :, None]
+        mask = (causal & (visible[:, None, :] | (key_slots[None, None, :] == slots[:, :, None])))[:, None]
+        for i, layer in enumerate(self.layers):
+            h = layer(h, rope, mask, (cache.keys[i], cache.values[i], rows, write_rows[:, None], slots))
+        if with_prefix:  # the prefix's last slot predicts image token 0
+            h = h[:, prefix_len - 1:]
         if rows is None:
             cache.lengths.copy_(positions[:, -1] + 1)
         else:
@@ -535,7 +615,8 @@ def load_pair(target: str | dict, draft: str | dict | None, device: torch.device
         draft_kind = "eagle_head"
     elif draft_model is not None:
         dc = draft_model.config
-        for field in ("vocab_size", "num_classes", "grid_size"):
+        shared = ("vocab_size", "num_classes", "grid_size", "condition")
+        for field in shared + (("caption_dim",) if tc.condition == "caption" else ()):
             if getattr(dc, field) != getattr(tc, field):
                 raise ValueError(
                     f"draft {draft!r} {field}={getattr(dc, field)} differs from target {target!r} {field}={getattr(tc, field)}"

@@ -83,7 +83,8 @@ class GuidedModel:
               all_rows: bool = False, prefix: bool | None = None) -> torch.Tensor:
         """Processed distributions ``[r, n, V]`` for samples ``idx`` fed ``tokens`` at sequence ``positions``.
 
-        A token at sequence position 0 is the class label; the uncond stream gets the null class there.
+        A token at sequence position 0 is the condition (a class label, or a prompt's row); the uncond
+        stream gets the model's null condition there (:meth:`DiscreteGPT.null_prefix`).
         Hints that only skip work (results are identical): ``all_rows`` says ``idx`` is
         ``arange(batch)`` (the caches are then read without a gather copy); ``prefix=False`` says no
         position is 0 (the uncond tokens are then the cond tokens).
@@ -96,8 +97,7 @@ class GuidedModel:
         if prefix is False:
             uncond_tokens = tokens
         else:
-            null = torch.full_like(tokens, self.model.null_class)
-            uncond_tokens = torch.where(positions == 0, null, tokens)
+            uncond_tokens = torch.where(positions == 0, self.model.null_prefix(tokens), tokens)
         logits = self.model.forward_step(
             torch.cat([tokens, uncond_tokens]), torch.cat([positions, positions]), self.cache,
             rows=None if all_rows else torch.cat([idx, idx + self.batch]), prefix=prefix,

@@ -29,19 +29,17 @@ GPT_ENTRIES = (None, "model", "module", "state_dict")  # FSDP (the file itself),
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def gpt_config(options: LlamaGenOptions, vq: VQConfig) -> GPTConfig:
+def gpt_config(options: LlamaGenOptions, vq: VQConfig, **condition: Any) -> GPTConfig:
+    """The GPT of a release: its size's architecture (or ``arch``) over the tokenizer's grid;
+    ``condition``: the conditioning fields of a text-to-image release (the default is c2i's)."""
     arch = dict(options.arch or LLAMAGEN_SIZES[options.size])
     if options.image_size % vq.downsample:
         raise ValueError(f"image_size {options.image_size} is not a multiple of the tokenizer's "
                          f"downsampling {vq.downsample}")
-    return GPTConfig(
-        vocab_size=int(arch.pop("vocab_size", vq.codebook_size)),
-        num_classes=int(arch.pop("num_classes", 1000)),
-        grid_size=options.image_size // vq.downsample,
-        multiple_of=int(arch.pop("multiple_of", 256)),
-        class_dropout_prob=0.1, norm_eps=1e-5, rope_base=10000.0,
-        **{k: int(v) for k, v in arch.items()},
-    )
+    fields = {"vocab_size": vq.codebook_size, "num_classes": 1000, "multiple_of": 256, **condition,
+              **{k: int(v) for k, v in arch.items()}}
+    return GPTConfig(grid_size=options.image_size // vq.downsample, class_dropout_prob=0.1, norm_eps=1e-5,
+                     rope_base=10000.0, **fields)
 
 
 def vq_config(options: LlamaGenOptions) -> VQConfig:
@@ -59,8 +57,8 @@ def read_gpt_state(path: str | Path) -> dict[str, torch.Tensor]:
     return select_entry(obj, GPT_ENTRIES[1:] + (None,), path)
 
 
-def load_gpt(options: LlamaGenOptions, vq: VQConfig, device: torch.device | str) -> DiscreteGPT:
-    model = DiscreteGPT(gpt_config(options, vq))
+def load_gpt(options: LlamaGenOptions, vq: VQConfig, device: torch.device | str, **condition: Any) -> DiscreteGPT:
+    model = DiscreteGPT(gpt_config(options, vq, **condition))
     load_strict(model, read_gpt_state(options.path), options.path)
     return model.to(device=device, dtype=DTYPES[options.dtype]).eval()
 
@@ -99,9 +97,10 @@ class LlamaGenModel:
     info: dict[str, Any]
 
 
-def load(options: LlamaGenOptions, device: torch.device | str) -> LlamaGenModel:
+def load(options: LlamaGenOptions, device: torch.device | str, **condition: Any) -> LlamaGenModel:
+    """A release's GPT (``condition``: as :func:`gpt_config`) and, when named, its VQ tokenizer."""
     vq_cfg = vq_config(options)
-    gpt = load_gpt(options, vq_cfg, device)
+    gpt = load_gpt(options, vq_cfg, device, **condition)
     decoder = None
     if options.tokenizer is not None:
         vq = load_vq(options.tokenizer, vq_cfg, device)

@@ -37,6 +37,8 @@ LLAMAGEN_SIZES: dict[str, dict[str, int]] = {
 # GETTING_STARTED.md of LlamaGen: --cfg-scale of the FID-50K commands.
 LLAMAGEN_FID_CFG = {"GPT-B": 2.0, "GPT-L": 2.0, "GPT-XL": 1.75, "GPT-XXL": 1.75, "GPT-3B": 1.65}
 LLAMAGEN_ARCH_FIELDS = ("n_layer", "n_head", "dim", "vocab_size", "num_classes", "multiple_of")
+# Text-to-image releases (t2i_XL_stage1_256.pt, t2i_XL_stage2_512.pt) are GPT-XL.
+LLAMAGEN_T2I_ARCH_FIELDS = ("n_layer", "n_head", "dim", "vocab_size", "multiple_of", "caption_dim", "cls_token_num")
 VQ_ARCH_FIELDS = ("codebook_size", "codebook_embed_dim", "z_channels", "ch", "ch_mult", "num_res_blocks")
 
 MAR_SIZES: dict[str, dict[str, int]] = {
@@ -151,6 +153,48 @@ class LlamaGenOptions(FormatOptions):
     @property
     def num_classes(self) -> int | None:
         return int((self.arch or {}).get("num_classes", 1000))
+
+
+class LlamaGenT2IOptions(LlamaGenOptions):
+    """A LlamaGen text-to-image GPT (``t2i_XL_stage1_256.pt`` / ``t2i_XL_stage2_512.pt``:
+    ``{"model": ...}``) with the VQ-16 tokenizer of the t2i release (``vq_ds16_t2i.pt``). Its prefix
+    is 120 flan-t5-xl token features (2048 wide) projected by the caption MLP; prompts only.
+    GPT-XL is the released size; the other sizes are what the official ``train_t2i.py`` trains
+    (``--gpt-model``), e.g. a smaller draft."""
+
+    size: Literal["GPT-B", "GPT-L", "GPT-XL", "GPT-XXL", "GPT-3B", "custom"]
+    image_size: Annotated[int, Field(ge=8)]  # 256 (stage 1, 16x16 tokens) or 512 (stage 2, 32x32)
+    tokenizer: str | None = None  # vq_ds16_t2i.pt
+    # COCO FID is computed at 256 px (the official evaluations/t2i script); None keeps the native size.
+    output_size: Annotated[int, Field(ge=8)] | None = 256
+    arch: dict[str, Any] | None = None  # size "custom" only: n_layer, n_head, dim, caption_dim, cls_token_num...
+    # Where a caption's padding goes in the 120-token prefix: "left" as in LlamaGen's t2i training data
+    # and samplers (their default), "right" as the samplers' --no-left-padding.
+    caption_padding: Literal["left", "right"] = "left"
+
+    @model_validator(mode="after")
+    def _files(self) -> "LlamaGenT2IOptions":
+        check_file("path", self.path)
+        if self.tokenizer is not None:
+            check_file("tokenizer", self.tokenizer)
+        if (self.size == "custom") != (self.arch is not None):
+            raise ParamError("arch", "is required with size 'custom' and allowed only there")
+        check_arch("arch", self.arch, LLAMAGEN_T2I_ARCH_FIELDS)
+        check_arch("tokenizer_arch", self.tokenizer_arch, VQ_ARCH_FIELDS)
+        return self
+
+    def sampling_defaults(self) -> dict[str, Any]:
+        # sample_t2i.py / sample_t2i_ddp.py: --cfg-scale 7.5 --top-k 1000 --top-p 1.0 --temperature 1.0;
+        # generate() is called without cfg_interval (-1: guidance at every token).
+        return {"cfg_scale": 7.5, "temperature": 1.0, "top_k": 1000, "top_p": 1.0, "cfg_interval": -1}
+
+    @property
+    def num_classes(self) -> int | None:
+        return None  # conditioned on prompts, not classes
+
+    @property
+    def caption_dim(self) -> int:
+        return int((self.arch or {}).get("caption_dim", 2048))
 
 
 class MAROptions(FormatOptions):
