@@ -15,7 +15,6 @@ from specray.methods.diffusion.params import TargetOnly
 from specray.models.diffusion import load_pair
 from tests.checkpoint_fixtures import assert_close as close  # noqa: F401
 from tests.checkpoint_fixtures import ddpm_draft, ddpm_target, dit_target, reference
-from tests.checkpoint_fixtures import single_thread  # noqa: F401  (the module fixture below)
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 

@@ -20,7 +20,6 @@ from specray.models.checkpoints.llamagen import load
 from specray.models.discrete_ar import GPTConfig, load_pair, precompute_rope_2d
 from tests.checkpoint_fixtures import assert_close as close  # noqa: F401
 from tests.checkpoint_fixtures import llamagen_draft, llamagen_target, reference
-from tests.checkpoint_fixtures import single_thread  # noqa: F401  (the module fixture below)
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 

@@ -22,7 +22,6 @@ from specray.models.continuous_ar import load_pair
 from specray.models.continuous_schedule import DiffusionSchedule
 from tests.checkpoint_fixtures import assert_close as close  # noqa: F401
 from tests.checkpoint_fixtures import mar_draft, mar_target, reference
-from tests.checkpoint_fixtures import single_thread  # noqa: F401  (the module fixture below)
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
