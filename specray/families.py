@@ -61,6 +61,7 @@ class ModelFormat:
     options: type[StrictParams]
     load: Lazy
     summary: str = ""
+    conditions: str = "class_labels"  # the job conditions its models take: "class_labels" or "prompts"
 
 
 @dataclass(frozen=True)
@@ -245,7 +246,7 @@ FAMILIES: dict[str, Family] = {
                                         "LlamaGen class-conditional GPT (c2i_*.pt) + VQ-16 tokenizer"),
             "llamagen-t2i": ModelFormat("llamagen-t2i", _opts.LlamaGenT2IOptions, _llamagen_t2i_loader,
                                         "LlamaGen text-to-image GPT-XL (t2i_XL_stage*.pt, T5 caption prefix) "
-                                        "+ VQ-16 tokenizer"),
+                                        "+ VQ-16 tokenizer", conditions="prompts"),
             "eagle-head": ModelFormat("eagle-head", _draft_formats.EagleHeadFile, _head_file_loader,
                                       "an EAGLE draft head written by `specray train` (draft only)"),
             "lantern-llamagen": ModelFormat("lantern-llamagen", _draft_formats.LanternDrafter,

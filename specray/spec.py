@@ -908,15 +908,26 @@ def _check_condition_models(path: str, kind: str, arms: tuple[ArmSpec, ...]) -> 
     """Prompts need text-conditioned models and class labels class-conditioned ones (presets are known now)."""
     for i, arm in enumerate(arms):
         for role in ("target", "draft"):
-            config = _preset_config(getattr(arm, role))
-            if not config:
+            ref = getattr(arm, role)
+            if isinstance(ref, Mapping):  # a release format says which conditions its models take
+                text = _format_conditions(arm.family, ref) == "prompts"
+            elif _preset_config(ref):
+                text = _preset_config(ref).get("condition") == "text"
+            else:
                 continue
-            text = config.get("condition") == "text"
             if text != (kind == "prompts"):
                 name = getattr(arm, role)
                 wanted = "text-conditioned" if kind == "prompts" else "class-conditioned"
                 raise SpecError(f"arms[{i}].{role}", f"{_short(name)} is {'text' if text else 'class'}-conditioned "
                                                      f"but {path}.kind is {kind!r}, which needs {wanted} models")
+
+
+def _format_conditions(family_name: str, ref: Mapping[str, Any]) -> str:
+    from specray.families import FAMILIES
+
+    entry = FAMILIES.get(family_name)
+    model_format = entry.formats.get(str(ref.get("format"))) if entry is not None else None
+    return model_format.conditions if model_format is not None else "class_labels"
 
 
 def _preset_config(ref: Any) -> dict[str, Any]:

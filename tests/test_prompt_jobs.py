@@ -104,6 +104,18 @@ def test_models_must_match_the_condition_kind(tmp_path):
         load_job(job)
 
 
+def test_a_text_to_image_release_takes_prompts_only(tmp_path):
+    from tests.checkpoint_fixtures import llamagen_t2i_draft, llamagen_t2i_target
+
+    job = prompt_job(tmp_path / "run")
+    job["arms"] = [{"name": "t2i", "family": "discrete_ar", "method": "target_only", "target": llamagen_t2i_target(),
+                    "draft": llamagen_t2i_draft()}]
+    job["conditions"] = {"kind": "class_labels", "per_class": 2, "classes": [0, 1]}
+    with pytest.raises(SpecError, match=r"^arms\[0\]\.target: .* is text-conditioned but conditions\.kind is "
+                                        r"'class_labels'"):
+        load_job(job)
+
+
 def test_the_plan_shows_prompt_i_mod_p_and_lists_each_shards_prompts(tmp_path):
     import torch
 
