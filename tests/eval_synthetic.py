@@ -29,6 +29,8 @@ class SyntheticArm:
     spec_steps: int = 0
     timeline: dict[str, list[float]] | None = None  # extra_stats.acceptance_timeline per sample
     extra: dict[str, Any] = field(default_factory=dict)  # more extra_stats per sample
+    target: str = "t"
+    draft: str | None = "d"
 
 
 def digits_pool() -> np.ndarray:
@@ -66,7 +68,7 @@ def write_run(root: str, arms: list[SyntheticArm], *, per_class: int = 20, class
             extra = {**arm.extra, **({"acceptance_timeline": arm.timeline} if arm.timeline else {})}
             rows.append({
                 "job_id": "synthetic", "arm": arm.name, "method": arm.method, "family": arm.family,
-                "target": "t", "draft": "d", "sample_id": sid,
+                "target": arm.target, "draft": arm.draft, "sample_id": sid,
                 "seed": seed + int(arm.params.get("seed_offset", 0)), "class_label": classes[sid % len(classes)],
                 "prompt_id": None, "prompt": None, "repeat": None,
                 "image": {"bytes": encode_png(images[sid]), "path": None}, "height": 8, "width": 8,
@@ -106,7 +108,7 @@ def write_run(root: str, arms: list[SyntheticArm], *, per_class: int = 20, class
                  "eval": {"fid": True, "reference": reference, "baseline": None,
                           "options": {"bootstrap_replicates": 50, "speedup_replicates": 200, **(eval_options or {})}}},
         "layout": {"num_samples": n, "batch_size": batch_size, "shard_batches": shard_batches, "num_shards": num_shards},
-        "arms": [{"name": a.name, "family": a.family, "method": a.method, "target": "t", "draft": "d",
+        "arms": [{"name": a.name, "family": a.family, "method": a.method, "target": a.target, "draft": a.draft,
                   "params": a.params} for a in arms],
         "num_rows": sum(s["rows"] for s in shards),
         "shards": shards,
@@ -145,5 +147,6 @@ def demo_arms() -> list[SyntheticArm]:
         arms.append(SyntheticArm(arm.name, method=arm.method, family=arm.family, params=params,
                                  image_offset=97 * i, seconds_per_sample=base / (1.0 + 0.1 * i) if speculative else base,
                                  accepted_per_position=[6, 4, 2, 1] if speculative else [],
-                                 spec_steps=8 if speculative else 0, extra=extra))
+                                 spec_steps=8 if speculative else 0, extra=extra,
+                                 target=arm.target_key, draft=arm.draft_key))
     return arms
