@@ -21,13 +21,19 @@ _COMMON = {
     "diffusion_sample_steps": 50,
 }
 
+# Shapes and recipes shared by the class and the text presets
+_TARGET_SHAPE = {"dim": 96, "n_layer": 3, "n_head": 4, "head_width": 160, "head_blocks": 3}
+_DRAFT_SHAPE = {"dim": 48, "n_layer": 1, "n_head": 2, "head_width": 64, "head_blocks": 2}
+_TARGET_TRAIN = {"steps": 1500, "batch_size": 32, "lr": 2e-3, "warmup_steps": 100, "diffusion_batch_mul": 2}
+_DRAFT_TRAIN = {"steps": 1500, "batch_size": 32, "lr": 3e-3, "warmup_steps": 100, "diffusion_batch_mul": 2}
+
 DIGITS_MAR_TARGET = register(
     Preset(
         name="digits-mar-target",
         family="continuous_ar",
         role="target",
-        config={**_COMMON, "dim": 96, "n_layer": 3, "n_head": 4, "head_width": 160, "head_blocks": 3},
-        train={"steps": 1500, "batch_size": 32, "lr": 2e-3, "warmup_steps": 100, "diffusion_batch_mul": 2},
+        config={**_COMMON, **_TARGET_SHAPE},
+        train=dict(_TARGET_TRAIN),
     )
 )
 
@@ -36,8 +42,8 @@ DIGITS_MAR_DRAFT = register(
         name="digits-mar-draft",
         family="continuous_ar",
         role="draft",
-        config={**_COMMON, "dim": 48, "n_layer": 1, "n_head": 2, "head_width": 64, "head_blocks": 2},
-        train={"steps": 1500, "batch_size": 32, "lr": 3e-3, "warmup_steps": 100, "diffusion_batch_mul": 2},
+        config={**_COMMON, **_DRAFT_SHAPE},
+        train=dict(_DRAFT_TRAIN),
     )
 )
 
@@ -49,9 +55,8 @@ DIGITS_MAR_TEXT_TARGET = register(
         name="digits-mar-text-target",
         family="continuous_ar",
         role="target",
-        config={**_TEXT, "dim": 96, "n_layer": 3, "n_head": 4, "head_width": 160, "head_blocks": 3,
-                "text_encoder": "minilm"},
-        train={"steps": 2500, "batch_size": 32, "lr": 2e-3, "warmup_steps": 100, "diffusion_batch_mul": 2},
+        config={**_TEXT, **_TARGET_SHAPE, "text_encoder": "minilm"},
+        train={**_TARGET_TRAIN, "steps": 2500},
     )
 )
 
@@ -60,8 +65,7 @@ DIGITS_MAR_TEXT_DRAFT = register(
         name="digits-mar-text-draft",
         family="continuous_ar",
         role="draft",
-        config={**_TEXT, "dim": 48, "n_layer": 1, "n_head": 2, "head_width": 64, "head_blocks": 2,
-                "text_encoder": "minilm"},
-        train={"steps": 1500, "batch_size": 32, "lr": 3e-3, "warmup_steps": 100, "diffusion_batch_mul": 2},
+        config={**_TEXT, **_DRAFT_SHAPE, "text_encoder": "minilm"},
+        train=dict(_DRAFT_TRAIN),
     )
 )

@@ -15,14 +15,19 @@ too, as with real targets (LlamaGen on a GPU), where speculative decoding is mea
 from specray.models.presets import TEXT_NULL_INDEX, Preset, register
 
 _COMMON = {"vocab_size": 17, "num_classes": 10, "grid_size": 8, "class_dropout_prob": 0.1, "prefix_rope": "zeros"}
+# Shapes and recipes shared by the class and the text presets
+_TARGET_SHAPE = {"dim": 64, "n_layer": 12, "n_head": 4}
+_DRAFT_SHAPE = {"dim": 48, "n_layer": 1, "n_head": 2}
+_TARGET_TRAIN = {"steps": 1200, "batch_size": 32, "lr": 2e-3, "weight_decay": 0.05, "warmup_steps": 100}
+_DRAFT_TRAIN = {"steps": 3000, "batch_size": 64, "lr": 4e-3, "weight_decay": 0.01, "warmup_steps": 100}
 
 DIGITS_GPT_TARGET = register(
     Preset(
         name="digits-gpt-target",
         family="discrete_ar",
         role="target",
-        config={**_COMMON, "dim": 64, "n_layer": 12, "n_head": 4},
-        train={"steps": 1200, "batch_size": 32, "lr": 2e-3, "weight_decay": 0.05, "warmup_steps": 100},
+        config={**_COMMON, **_TARGET_SHAPE},
+        train=dict(_TARGET_TRAIN),
     )
 )
 
@@ -31,8 +36,8 @@ DIGITS_GPT_DRAFT = register(
         name="digits-gpt-draft",
         family="discrete_ar",
         role="draft",
-        config={**_COMMON, "dim": 48, "n_layer": 1, "n_head": 2},
-        train={"steps": 3000, "batch_size": 64, "lr": 4e-3, "weight_decay": 0.01, "warmup_steps": 100},
+        config={**_COMMON, **_DRAFT_SHAPE},
+        train=dict(_DRAFT_TRAIN),
     )
 )
 
@@ -59,8 +64,8 @@ DIGITS_GPT_TEXT_TARGET = register(
         name="digits-gpt-text-target",
         family="discrete_ar",
         role="target",
-        config={**_TEXT, "dim": 64, "n_layer": 12, "n_head": 4, "text_encoder": "minilm"},
-        train={"steps": 1200, "batch_size": 32, "lr": 2e-3, "weight_decay": 0.05, "warmup_steps": 100},
+        config={**_TEXT, **_TARGET_SHAPE, "text_encoder": "minilm"},
+        train=dict(_TARGET_TRAIN),
     )
 )
 
@@ -69,7 +74,7 @@ DIGITS_GPT_TEXT_DRAFT = register(
         name="digits-gpt-text-draft",
         family="discrete_ar",
         role="draft",
-        config={**_TEXT, "dim": 48, "n_layer": 1, "n_head": 2, "text_encoder": "minilm"},
-        train={"steps": 3000, "batch_size": 64, "lr": 4e-3, "weight_decay": 0.01, "warmup_steps": 100},
+        config={**_TEXT, **_DRAFT_SHAPE, "text_encoder": "minilm"},
+        train=dict(_DRAFT_TRAIN),
     )
 )
