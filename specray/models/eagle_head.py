@@ -36,6 +36,7 @@ from specray.models.discrete_ar import (
     FeedForward,
     KVCache,
     RMSNorm,
+    kv_slots,
     precompute_rope_2d,
     rotary_factors,
 )
@@ -155,11 +156,10 @@ class EagleHead(nn.Module):
         return self.layer(self._input(features, tokens), self._rotary(positions), mask)
 
     def new_cache(self, rows: int, max_len: int) -> KVCache:
-        p = self.fc.weight
-        shape = (rows, max_len, self.config.n_head, self.config.head_dim)
-        return KVCache(keys=[torch.zeros(shape, dtype=p.dtype, device=p.device)],
-                       values=[torch.zeros(shape, dtype=p.dtype, device=p.device)],
-                       lengths=torch.zeros(rows, dtype=torch.int64, device=p.device))
+        shape = {"max_len": max_len, "n_head": self.config.n_head, "head_dim": self.config.head_dim,
+                 "like": self.fc.weight}
+        return KVCache(keys=[kv_slots(rows, **shape)], values=[kv_slots(rows, **shape)],
+                       lengths=torch.zeros(rows, dtype=torch.int64, device=self.fc.weight.device))
 
     def forward_cached(self, features: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
                        slots: torch.Tensor, visible: torch.Tensor, cache: KVCache,

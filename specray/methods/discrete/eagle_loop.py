@@ -48,7 +48,7 @@ from specray.methods.discrete.tree_rules import (
     verify_tree,
 )
 from specray.methods.discrete.trees import StaticTree, resolve_tree
-from specray.models.discrete_ar import DiscreteGPT, KVCache
+from specray.models.discrete_ar import DiscreteGPT, KVCache, kv_slots
 from specray.models.eagle_head import EagleHead, head_logits
 from specray.models.pair import ModelPair
 
@@ -84,10 +84,11 @@ class TargetStream(_Streams):
         weight = model.output.weight
         # One tensor per K and V over all layers (the cache's per-layer tensors are views of it), so
         # moving the accepted path's slots is one copy, not two per layer.
-        shape = (len(model.layers), self.rows, max_len, model.config.n_head, model.config.head_dim)
-        self.keys = torch.zeros(shape, dtype=weight.dtype, device=weight.device)
-        self.values = torch.zeros(shape, dtype=weight.dtype, device=weight.device)
-        self.cache = KVCache([self.keys[i] for i in range(shape[0])], [self.values[i] for i in range(shape[0])],
+        layers = len(model.layers)
+        shape = {"max_len": max_len, "n_head": model.config.n_head, "head_dim": model.config.head_dim, "like": weight}
+        self.keys = kv_slots(layers, self.rows, **shape)
+        self.values = kv_slots(layers, self.rows, **shape)
+        self.cache = KVCache([self.keys[i] for i in range(layers)], [self.values[i] for i in range(layers)],
                              torch.zeros(self.rows, dtype=torch.int64, device=weight.device))
         self.features = torch.zeros(self.rows, max_len, model.config.dim, dtype=weight.dtype, device=weight.device)
 
