@@ -13,11 +13,11 @@ sampling with CFG 1.5) it reports:
   of the paired ratio target_only time / arm time;
 - ``pred``: the speedup predicted from the measured call counts and the per-call costs measured
   in the same run, at the same batch size, each call priced by what it really is. The calls, each a
-  :meth:`GuidedModel.probs` call (forward on both CFG halves + logits processing), are counted by
+  :meth:`GuidedModel.forward` call (forward on both CFG halves + logits processing), are counted by
   wrapping that method in an untimed pass, by shape: model, tokens per row (target_only and the
   prefill: 1; a round's first draft call: 2, catching up the previous round's commit; later draft
   calls: 1; verify: gamma+1, padded in a row's short last round, so it costs the same) and rows fed
-  (the whole batch, or fewer in the tail rounds once some rows are done, read by index). The head
+  (the whole batch, or, in the tail rounds once over half the rows are done, fewer rows read by index). The head
   arms' calls are counted the same way: ``target_f`` is a target call that also returns hidden
   states (prefill 1 token, chain verify gamma+1, tree verify: the tree's nodes + 1, with its tree
   mask), ``head`` an EAGLE-head call (the round's catch-up over depth + 1 positions, then one token per
@@ -78,7 +78,7 @@ ARMS: list[tuple[str, str, dict[str, Any], str]] = [
 
 
 def shape_key(role: str, tokens: int, rows: int) -> str:
-    """Key of one kind of :meth:`GuidedModel.probs` call: model, tokens per row, rows (samples) fed."""
+    """Key of one kind of :meth:`GuidedModel.forward` call: model, tokens per row, rows (samples) fed."""
     return f"{role}:{tokens}:{rows}"
 
 
@@ -89,7 +89,7 @@ def parse_shape(key: str) -> tuple[str, int, int]:
 
 @dataclass
 class CallCounts:
-    """Batch-level :meth:`GuidedModel.probs` calls of one arm over the bench's samples, by shape."""
+    """Batch-level :meth:`GuidedModel.forward` calls of one arm over the bench's samples, by shape."""
 
     shapes: dict[str, int]  # shape_key(role, tokens per row, rows) -> calls
     batch: int
@@ -169,14 +169,17 @@ def run_arm(method: str, params: dict[str, Any], pair: ModelPair, work: list, se
 
 
 def count_calls(method: str, params: dict[str, Any], pair: ModelPair, work: list, seed: int) -> tuple[CallCounts, list]:
-    """Untimed pass with :meth:`GuidedModel.probs` wrapped: every call counted by its real shape.
+    """Untimed pass with the model calls wrapped (:meth:`GuidedModel.forward`, the head streams'
+    ``probs``): every call counted by its real shape.
 
     The shape is what the cost of a call depends on: the model, the tokens per row (the first
     draft call of a round feeds 2, verify feeds gamma + 1, padded in a row's short last round) and
     the rows fed (fewer than the batch in the tail rounds, once rows are done).
     """
     counts: Counter[str] = Counter()
-    originals = {cls: cls.probs for cls in (GuidedModel, TargetStream, HeadStream)}
+    # GuidedModel.forward is the model call itself (probs may widen a call to every row of the batch).
+    methods = {GuidedModel: "forward", TargetStream: "probs", HeadStream: "probs"}
+    originals = {cls: getattr(cls, name) for cls, name in methods.items()}
 
     def counter(cls: type, role: Any) -> Any:
         def counted(self: Any, idx: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
@@ -185,14 +188,15 @@ def count_calls(method: str, params: dict[str, Any], pair: ModelPair, work: list
             return originals[cls](self, idx, *args, **kwargs)
         return counted
 
-    GuidedModel.probs = counter(GuidedModel, lambda s: "target" if s.model is pair.target else "draft")  # type: ignore[method-assign]
-    TargetStream.probs = counter(TargetStream, lambda s: "target_f")  # type: ignore[method-assign]
-    HeadStream.probs = counter(HeadStream, lambda s: "head")  # type: ignore[method-assign]
+    roles = {GuidedModel: lambda s: "target" if s.model is pair.target else "draft",
+             TargetStream: lambda s: "target_f", HeadStream: lambda s: "head"}
+    for cls, name in methods.items():
+        setattr(cls, name, counter(cls, roles[cls]))
     try:
         _, stats = run_arm(method, params, pair, work, seed)
     finally:
-        for cls, original in originals.items():
-            cls.probs = original  # type: ignore[method-assign]
+        for cls, name in methods.items():
+            setattr(cls, name, originals[cls])
     return CallCounts(dict(sorted(counts.items())), batch=work[0][0].shape[0]), stats
 
 
@@ -239,7 +243,7 @@ def _call_of_shape(role: str, n: int, rows: int, batch: int, pairs: dict[str, Mo
         max_len = gpt.target.max_seq_len + (0 if (role, n) == ("target", 1) else gamma + 1)
         stream = GuidedModel(model, batch, sampling, max_len)
         full = rows == batch
-        return lambda: stream.probs(idx, tok, pos, all_rows=full, prefix=False)
+        return lambda: stream.forward(idx, tok, pos, all_rows=full, prefix=False)
     head_pair = pairs[HEAD]
     max_len = head_pair.target.max_seq_len + n + 1
     visible = torch.arange(max_len, device=device) <= pos[:, :, None]  # a tree mask costs the same

@@ -2,7 +2,8 @@
 
 Rows are ragged (spec §5.3): every sample keeps its own number of committed
 image tokens ``n_b``; caches are written at per-row positions and rows that are
-done drop out of the calls (compaction by index, the caches stay in place).
+done drop out of the calls (compaction by index, the caches stay in place) once fewer than half
+the rows take part; until then a call runs on every row, the others parked (bit for bit the same).
 
 One round for the active rows:
 
@@ -59,6 +60,8 @@ from specray.models.pair import ModelPair
 from specray.models.tokenizers import to_images
 
 FAMILY = "discrete_ar"
+# A call for at least this share of the batch's samples runs on every row (see GuidedModel._probs_on_all_rows).
+FULL_CALL_FRACTION = 0.5
 
 
 # ---- guided model streams ------------------------------------------------------------------------
@@ -77,6 +80,7 @@ class GuidedModel:
         self.sampling = sampling
         self.guided = sampling.uses_uncond
         self.cache = model.new_cache(2 * batch if self.guided else batch, max_len)
+        self.all_rows = torch.arange(batch, device=self.cache.lengths.device)
         self.calls = 0
 
     def probs(self, idx: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, *,
@@ -90,6 +94,14 @@ class GuidedModel:
         position is 0 (the uncond tokens are then the cond tokens).
         """
         self.calls += 1
+        if not all_rows and idx.shape[0] >= FULL_CALL_FRACTION * self.batch:
+            all_tokens, all_positions = self._park_other_rows(idx, tokens, positions)
+            return self.forward(self.all_rows, all_tokens, all_positions, all_rows=True, prefix=prefix)[idx]
+        return self.forward(idx, tokens, positions, all_rows=all_rows, prefix=prefix)
+
+    def forward(self, idx: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, *,
+                all_rows: bool, prefix: bool | None) -> torch.Tensor:
+        """One model call on the rows of the samples ``idx`` (all rows, read in place, if ``all_rows``)."""
         if not self.guided:
             logits = self.model.forward_step(tokens, positions, self.cache, rows=None if all_rows else idx,
                                              prefix=prefix)
@@ -104,6 +116,24 @@ class GuidedModel:
         )
         r = idx.shape[0]
         return process_with(self.sampling, logits[:r], logits[r:], positions)  # position p predicts token p
+
+    def _park_other_rows(self, idx: torch.Tensor, tokens: torch.Tensor,
+                         positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Inputs for every row of the batch: ``tokens``/``positions`` at the samples ``idx``, the others parked.
+
+        Reading a subset of rows copies their caches (every layer's K and V), which costs more than
+        the idle rows' compute once most rows take part; the outputs of ``idx`` are the same bit for
+        bit (every op is row-wise). A parked row is fed token 0 at the slots from its cache length on
+        (clamped to the cache): slots at or past a row's length are rewritten before any query reads
+        them, and a finished row's cache is never read again.
+        """
+        n = tokens.shape[1]
+        parked = self.cache.lengths[: self.batch, None] + torch.arange(n, device=idx.device)
+        all_positions = parked.clamp(max=self.cache.max_len - 1)
+        all_positions[idx] = positions
+        all_tokens = torch.zeros(self.batch, n, dtype=tokens.dtype, device=tokens.device)
+        all_tokens[idx] = tokens
+        return all_tokens, all_positions
 
     def crop(self, idx: torch.Tensor, lengths: torch.Tensor, *, all_rows: bool = False) -> None:
         if all_rows:  # idx is arange(batch): one copy instead of indexed writes
