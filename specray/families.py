@@ -88,6 +88,9 @@ class Family:
     # Cross-checks of an arm that need its models and its parameters together, torch-free:
     # check_arm(params, target, draft) -> (field under the arm, message) or None.
     check_arm: Callable[[MethodParams, Any, Any], tuple[str, str] | None] | None = None
+    # The job field ``compile: true``: compile() returns compile_pair(pair) -> None, which switches the
+    # loaded pair to its compiled decode path (same tokens). None: the family has no compiled path.
+    compile: Lazy | None = None
 
     def method(self, name: str) -> Method:
         try:
@@ -136,6 +139,11 @@ def _discrete_rule():
 def _discrete_models():
     from specray.models.discrete_ar import load_pair
     return load_pair
+
+
+def _discrete_compile():
+    from specray.models.compiled import compile_pair
+    return compile_pair
 
 
 def _discrete_trainer():
@@ -254,6 +262,7 @@ FAMILIES: dict[str, Family] = {
                                             "a drafter released by LANTERN for LlamaGen, as an EAGLE head"),
         },
         check_arm=_discrete_arm_check,
+        compile=_discrete_compile,
     ),
     "continuous_ar": Family(
         name="continuous_ar",

@@ -17,6 +17,7 @@ Example::
     num_cpus_per_actor: 1
     num_gpus_per_actor: 0           # fractions allowed: 0.5 puts two actors on a GPU
     max_shard_retries: 3
+    compile: false                  # true: torch.compile the decode steps (discrete_ar; same tokens)
     arms:
       - {name: target_only, family: discrete_ar, method: target_only,
          target: digits-gpt-target, draft: digits-gpt-draft}
@@ -208,6 +209,7 @@ class JobSpec:
     # s3fs options without credentials (endpoint_url, region_name...); credentials come from the AWS environment.
     storage_options: dict[str, Any] = field(default_factory=dict)
     dataset: DatasetSpec | None = None
+    compile: bool = False  # the families' compiled decode paths (specray.models.compiled)
 
     @property
     def shard_size(self) -> int:
@@ -255,6 +257,9 @@ class JobSpec:
             "conditions": self._conditions_determining(),
             "batch_size": self.batch_size,
             "arms": {arm.name: arm.fingerprint() for arm in self.arms},
+            # Compiled kernels round differently from eager ones (the tokens agree, the logits' last
+            # bits need not): a run does not mix the two. Only when set, so existing runs keep theirs.
+            **({"compile": True} if self.compile else {}),
         })
 
     def _conditions_determining(self) -> dict[str, Any]:
@@ -406,7 +411,7 @@ def check_yaml_expansion(text: str, where: str = "job file") -> None:
 _TOP_LEVEL = {
     "job_id", "seed", "output", "conditions", "arms", "batch_size", "shard_batches", "shard_size",
     "actors", "num_cpus_per_actor", "num_gpus_per_actor", "max_shard_retries", "eval",
-    "storage_options", "dataset",
+    "storage_options", "dataset", "compile",
 }
 
 
@@ -435,6 +440,7 @@ def parse_job(data: Mapping[str, Any]) -> JobSpec:
     retries = _integer("max_shard_retries", data.get("max_shard_retries", 3), minimum=0, maximum=1000)
 
     arms = _arms("arms", data["arms"])
+    compile_steps = _compile("compile", data.get("compile", False), arms)
     storage_options = _storage_options("storage_options", data.get("storage_options"))
     conditions = _conditions("conditions", data.get("conditions", {}), arms, storage_options)
     _check_sizes(conditions, arms, batch_size, shard_batches, "shard_size" in data)
@@ -447,10 +453,25 @@ def parse_job(data: Mapping[str, Any]) -> JobSpec:
         job_id=job_id, seed=seed, output=output, conditions=conditions, arms=arms,
         batch_size=batch_size, shard_batches=shard_batches, actors=actors,
         num_cpus_per_actor=num_cpus, num_gpus_per_actor=num_gpus, max_shard_retries=retries,
-        eval=eval_spec, storage_options=storage_options,
+        eval=eval_spec, storage_options=storage_options, compile=compile_steps,
     )
     dataset = _dataset("dataset", data.get("dataset"), spec)
     return replace(spec, dataset=dataset) if dataset is not None else spec
+
+
+def _compile(path: str, raw: Any, arms: tuple[ArmSpec, ...]) -> bool:
+    from specray.families import FAMILIES
+
+    if not isinstance(raw, bool):
+        raise SpecError(path, f"must be true or false, got {_short(raw)}")
+    if raw:
+        able = [name for name, family in FAMILIES.items() if family.compile is not None]
+        for i, arm in enumerate(arms):
+            if FAMILIES[arm.family].compile is None:
+                raise SpecError(path, f"arms[{i}] ({arm.name!r}) is family {arm.family!r}, which has no compiled "
+                                      f"decode path; families with one: {', '.join(able) or 'none'} "
+                                      "(set compile: false, or run that arm in another job)")
+    return raw
 
 
 def _shard_batches(data: Mapping[str, Any], batch_size: int) -> int:

@@ -332,6 +332,8 @@ class DiscreteGPT(nn.Module):
         cos, sin = rotary_factors(self.rope_table[None])
         self.register_buffer("rope_factors", torch.cat([cos, sin], dim=2)[0], persistent=False)
         self.apply(self._init_weights)
+        # torch.compile of decode_all_rows, set by specray.models.compiled.compile_gpt (None: eager).
+        self.compiled_decode: Any = None
 
     @staticmethod
     def _init_weights(module: nn.Module) -> None:
@@ -417,12 +419,17 @@ class DiscreteGPT(nn.Module):
         prefix_valid = None
         if self.caption_conditioned:
             prefix_valid = torch.ones(batch_rows, self.config.cls_token_num, dtype=torch.bool, device=p.device)
-        return KVCache(
+        cache = KVCache(
             keys=[kv_slots(batch_rows, **shape) for _ in self.layers],
             values=[kv_slots(batch_rows, **shape) for _ in self.layers],
             lengths=torch.zeros(batch_rows, dtype=torch.int64, device=p.device),
             prefix_valid=prefix_valid,
         )
+        if self.compiled_decode is not None and p.device.type == "cuda":
+            # CUDA graphs write these inputs in place: their addresses are part of the recording.
+            for tensor in (*cache.keys, *cache.values, cache.lengths):
+                torch._dynamo.mark_static_address(tensor, guard=False)
+        return cache
 
     def forward_step(
         self,
@@ -448,22 +455,40 @@ class DiscreteGPT(nn.Module):
             raise ValueError(f"positions shape {tuple(positions.shape)} != tokens shape {tuple(tokens.shape)}")
         if self.caption_conditioned:
             return self._caption_step(tokens, positions, cache, rows, prefix)
+        if rows is None and prefix is False and self.compiled_decode is not None:
+            # The loops only feed positions inside the cache; the compiled step skips the check's host sync.
+            return self.compiled_decode(tokens, positions, cache.keys, cache.values, cache.lengths)
         if int(positions.max()) >= cache.max_len:
             raise ValueError(f"position {int(positions.max())} exceeds cache max_len={cache.max_len}")
-        if prefix is False:
-            h = F.embedding(tokens.clamp(0, self.config.vocab_size - 1), self.tok_embeddings.weight)
-        else:
-            h = self._embed(tokens, positions)
+        if rows is None and prefix is False:
+            return self.decode_all_rows(tokens, positions, cache.keys, cache.values, cache.lengths)
+        return self._cached_layers(self._embed(tokens, positions) if prefix is not False else self._embed_image(tokens),
+                                   positions, cache.keys, cache.values, cache.lengths, rows)
+
+    def decode_all_rows(self, tokens: torch.Tensor, positions: torch.Tensor, keys: list[torch.Tensor],
+                        values: list[torch.Tensor], lengths: torch.Tensor) -> torch.Tensor:
+        """:meth:`forward_step` on every cache row, image tokens only (no position 0): the decode step
+        of the loops, written so that ``torch.compile(fullgraph=True)`` captures it whole
+        (:mod:`specray.models.compiled`): fixed shapes, K/V written at the rows' positions in the
+        static cache, no host sync."""
+        return self._cached_layers(self._embed_image(tokens), positions, keys, values, lengths, None)
+
+    def _embed_image(self, tokens: torch.Tensor) -> torch.Tensor:
+        return F.embedding(tokens.clamp(0, self.config.vocab_size - 1), self.tok_embeddings.weight)
+
+    def _cached_layers(self, h: torch.Tensor, positions: torch.Tensor, keys: list[torch.Tensor],
+                       values: list[torch.Tensor], lengths: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
+        """The layers over the cache from the embedded inputs ``h [r, n, D]``; logits ``[r, n, V]`` float32."""
         rope = self._rotary(positions)
-        slots = torch.arange(cache.max_len, device=tokens.device)
+        slots = torch.arange(keys[0].shape[1], device=h.device)
         mask = (slots[None, None, :] <= positions[:, :, None])[:, None]  # [r, 1, n, S]
-        write_rows = (torch.arange(tokens.shape[0], device=tokens.device) if rows is None else rows)[:, None]
+        write_rows = (torch.arange(h.shape[0], device=h.device) if rows is None else rows)[:, None]
         for i, layer in enumerate(self.layers):
-            h = layer(h, rope, mask, (cache.keys[i], cache.values[i], rows, write_rows, positions))
+            h = layer(h, rope, mask, (keys[i], values[i], rows, write_rows, positions))
         if rows is None:
-            cache.lengths.copy_(positions[:, -1] + 1)
+            lengths.copy_(positions[:, -1] + 1)
         else:
-            cache.lengths[rows] = positions[:, -1] + 1
+            lengths[rows] = positions[:, -1] + 1
         return self.output(self.norm(h)).float()
 
     def _caption_step(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache,
@@ -476,7 +501,7 @@ class DiscreteGPT(nn.Module):
         with_prefix = prefix is not False and bool(starts.any())
         if with_prefix and not bool(starts.all()):
             raise ValueError("a caption model's call must start every row at position 0 or none")
-        tok = F.embedding(tokens.clamp(0, self.config.vocab_size - 1), self.tok_embeddings.weight)
+        tok = self._embed_image(tokens)
         slots = positions + (prefix_len - 1)
         if with_prefix:
             caption, caption_mask = self.cls_embedding(tokens[:, 0])
@@ -537,7 +562,7 @@ class DiscreteGPT(nn.Module):
         if prefix:
             h = self._embed(tokens, positions)
         else:
-            h = F.embedding(tokens.clamp(0, self.config.vocab_size - 1), self.tok_embeddings.weight)
+            h = self._embed_image(tokens)
         rope = self._rotary(positions)
         write_rows = (torch.arange(tokens.shape[0], device=tokens.device) if rows is None else rows)[:, None]
         for i, layer in enumerate(self.layers):

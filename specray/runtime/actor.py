@@ -149,7 +149,10 @@ class ShardWorker:
         if key not in self._pairs:
             family, target, draft = key
             try:
-                self._pairs[key] = FAMILIES[family].load_pair()(ref_from_key(target), ref_from_key(draft), self.device)
+                pair = FAMILIES[family].load_pair()(ref_from_key(target), ref_from_key(draft), self.device)
+                if self.spec.compile:  # the spec checked that the family has a compiled path
+                    FAMILIES[family].compile()(pair)
+                self._pairs[key] = pair
             except Exception as exc:
                 if is_fatal_device_error(exc) or _is_transient_io(exc):
                     raise

@@ -1,0 +1,40 @@
+"""The compiled decode path of the discrete family (job field ``compile: true``).
+
+The discrete models' KV cache is static: ``[rows, max_len]`` slots per layer, slot = sequence
+position, written at each row's own positions (:class:`~specray.models.discrete_ar.KVCache`). So
+the decode step on every row (:meth:`DiscreteGPT.decode_all_rows`) has fixed shapes and no host
+sync, and ``torch.compile(fullgraph=True)`` captures it whole: one graph per call shape (a
+decode step, a verify of gamma + 1 tokens, a draft catch-up of 2), compiled on first use. On a
+GPU the graphs are also replayed as CUDA graphs (``mode="reduce-overhead"``); the cache tensors
+are then marked static (:meth:`DiscreteGPT.new_cache`), since every step writes them in place, and
+each batch's new cache is recorded once.
+
+Calls the compiled step does not cover run eager, as before: the prefix (position 0) and calls on
+a subset of the cache rows (the tail rounds once fewer than half the rows take part), and the
+EAGLE-head arms' tree calls. The compiled kernels are not the eager ones, so logits may differ in
+the last bits; the sampled tokens are the same (``tests/test_compiled.py`` compares them, and
+``bench/compiled.py`` measures both paths side by side).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specray.models.discrete_ar import DiscreteGPT
+from specray.models.pair import ModelPair
+
+
+def compile_gpt(model: DiscreteGPT) -> None:
+    """Route ``model``'s all-rows decode steps through ``torch.compile`` (idempotent)."""
+    if model.compiled_decode is not None:
+        return
+    cuda = model.output.weight.device.type == "cuda"
+    model.compiled_decode = torch.compile(model.decode_all_rows, fullgraph=True, dynamic=False,
+                                          mode="reduce-overhead" if cuda else None)
+
+
+def compile_pair(pair: ModelPair) -> None:
+    """Compile the decode steps of the pair's GPTs (an EAGLE-head draft stays eager)."""
+    for model in (pair.target, pair.draft):
+        if isinstance(model, DiscreteGPT) and not model.caption_conditioned:
+            compile_gpt(model)
