@@ -1,10 +1,11 @@
 """The compiled decode path (``compile: true``) against the eager one, side by side in one run.
 
-For each batch size and arm (target_only and sd, gamma 4, CFG 1.5, on digits-gpt-target with the
+For each batch size and arm (target_only, sd and cool_sd, gamma 4, CFG 1.5, on digits-gpt-target with the
 draft digits-gpt-draft) it runs the same samples and seeds through two copies of the pair, one
 eager and one with :func:`specray.models.compiled.compile_pair`, and prints:
 
-- ``compile_s``: the first (compiling) batch of the compiled copy, wall seconds;
+- ``compile_s``: the first (compiling) batch of the compiled copy, wall seconds (far less when
+  torch's on-disk cache already holds the graphs from an earlier run);
 - ``eager`` / ``compiled``: ms per sample, median over repetitions (interleaved, the order
   alternating), process CPU time on a CPU device (wall time on CUDA);
 - ``ratio``: median over repetitions of eager time / compiled time (> 1: compiled is faster);
@@ -33,7 +34,7 @@ from specray.methods.discrete.loop import generate_tokens  # noqa: E402
 from specray.models.compiled import compile_pair  # noqa: E402
 from specray.models.discrete_ar import load_pair  # noqa: E402
 
-ARMS = (("target_only", {}), ("sd", {"gamma": 4}))
+ARMS = (("target_only", {}), ("sd", {"gamma": 4}), ("cool_sd", {"gamma": 4}))
 
 
 def run(method: str, params: dict, pair, work: list, seed: int, clock: str) -> tuple[float, list]:

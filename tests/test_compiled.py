@@ -71,3 +71,22 @@ def test_compiled_decode_gives_the_eager_tokens(tmp_path):
     # the compiled step really ran (a graph per call shape), not the eager fallback
     assert compiled.target.compiled_decode is not None
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 2
+
+
+def test_a_step_that_fails_to_compile_runs_eager_with_a_warning(tmp_path, monkeypatch, caplog):
+    import specray.models.compiled as compiled_module
+
+    def failing_compile(fn, **options):
+        def compiled(*args):
+            raise torch._dynamo.exc.Unsupported("no C++ compiler on this node")
+        return compiled
+
+    monkeypatch.setattr(compiled_module.torch, "compile", failing_compile)
+    eager, broken = tiny_pair(tmp_path), tiny_pair(tmp_path)
+    compile_pair(broken)
+    labels, ids = torch.tensor([1, 2]), torch.tensor([0, 1])
+    with caplog.at_level("WARNING", logger="specray.models.compiled"):
+        tokens, _ = generate_tokens("sd", {"gamma": 3}, broken, labels, ids, 0)
+    assert torch.equal(tokens, generate_tokens("sd", {"gamma": 3}, eager, labels, ids, 0)[0])
+    assert "torch.compile failed for the decode step (Unsupported: no C++ compiler on this node)" in caplog.text
+    assert broken.target.compiled_decode == broken.target.decode_all_rows

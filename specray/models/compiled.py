@@ -18,10 +18,14 @@ the last bits; the sampled tokens are the same (``tests/test_compiled.py`` compa
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from specray.models.discrete_ar import DiscreteGPT
 from specray.models.pair import ModelPair
+
+log = logging.getLogger(__name__)
 
 
 def compile_gpt(model: DiscreteGPT) -> None:
@@ -29,8 +33,21 @@ def compile_gpt(model: DiscreteGPT) -> None:
     if model.compiled_decode is not None:
         return
     cuda = model.output.weight.device.type == "cuda"
-    model.compiled_decode = torch.compile(model.decode_all_rows, fullgraph=True, dynamic=False,
-                                          mode="reduce-overhead" if cuda else None)
+    compiled = torch.compile(model.decode_all_rows, fullgraph=True, dynamic=False,
+                             mode="reduce-overhead" if cuda else None)
+
+    def decode(*args: torch.Tensor | list[torch.Tensor]) -> torch.Tensor:
+        try:
+            return compiled(*args)
+        except (torch._dynamo.exc.BackendCompilerFailed, torch._dynamo.exc.Unsupported) as exc:
+            # A compiler that cannot build this step (no C++ toolchain, an unsupported op on this
+            # device) must not fail the shard: the eager step gives the same tokens.
+            log.warning("torch.compile failed for the decode step (%s: %s); this model runs eager from now on",
+                        type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
+            model.compiled_decode = model.decode_all_rows
+            return model.decode_all_rows(*args)
+
+    model.compiled_decode = decode
 
 
 def compile_pair(pair: ModelPair) -> None:
