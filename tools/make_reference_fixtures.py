@@ -15,41 +15,21 @@ Expected layout: ``$OFFICIAL/LlamaGen/{autoregressive/models/gpt.py, autoregress
 tokenizer/tokenizer_image/vq_model.py, utils/drop_path.py}`` (FoundationVision/LlamaGen),
 ``$OFFICIAL/mar/{models/mar.py, models/diffloss.py, models/vae.py, diffusion/*.py}`` (LTH14/mar).
 The diffusers models come from the installed ``diffusers`` package. README.md ("Reference
-fixtures") lists the commands. Everything runs on the CPU in float32 with fixed seeds.
+fixtures") lists the commands. Everything runs on the CPU in float32 with fixed seeds. The import
+helpers are shared with ``bench/vs_official.py`` (``tools/official_code.py``).
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 import numpy as np
 import torch
+from official_code import default_root, import_official, randomize, tensor_cuda_as_identity
 
 REPO = Path(__file__).resolve().parents[1]
 OUT = REPO / "tests" / "fixtures" / "checkpoints"
-
-
-def _official_path(root: Path, name: str) -> None:
-    folder = root / name
-    if not folder.is_dir():
-        raise SystemExit(f"official code of {name} not found at {folder} (see this script's docstring)")
-    sys.path.insert(0, str(folder))
-
-
-def _randomize(module: torch.nn.Module, seed: int, gain: float = 1.0) -> None:
-    """Fan-in scaled normal weights everywhere (official inits zero some layers, which would hide bugs)."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in module.named_parameters():
-            if p.dim() >= 2:
-                fan_in = p[0].numel()
-                p.copy_(torch.randn(p.shape, generator=g) * gain / fan_in**0.5)
-            elif name.endswith("weight") and "norm" in name.lower() or name.endswith("ln.weight"):
-                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
-            else:
-                p.copy_(0.1 * torch.randn(p.shape, generator=g))
 
 
 def _half_rounded(module: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -75,7 +55,7 @@ SETTINGS = {  # (cfg_scale, temperature, top_k, top_p, cfg_interval)
 
 
 def make_llamagen(root: Path) -> None:
-    _official_path(root, "LlamaGen")
+    import_official(root, "LlamaGen")
     from autoregressive.models.generate import generate, logits_to_probs
     from autoregressive.models.gpt import ModelArgs, Transformer, precompute_freqs_cis_2d
     from tokenizer.tokenizer_image.vq_model import Decoder, Encoder, VQModel
@@ -88,7 +68,7 @@ def make_llamagen(root: Path) -> None:
     def gpt(arch, seed):
         model = Transformer(ModelArgs(block_size=n, cls_token_num=1, model_type="c2i", class_dropout_prob=0.1,
                                       **arch)).eval()
-        _randomize(model, seed, gain=1.5)
+        randomize(model, seed, gain=1.5)
         return model
 
     target, draft = gpt(LLAMAGEN_GPT, 1), gpt(LLAMAGEN_DRAFT, 2)
@@ -99,7 +79,7 @@ def make_llamagen(root: Path) -> None:
     vq.encoder = Encoder(ch=32, ch_mult=(1, 1), num_res_blocks=1, z_channels=32)
     vq.decoder = Decoder(ch=32, ch_mult=(1, 1), num_res_blocks=1, z_channels=32)
     vq.eval()
-    _randomize(vq, 3)
+    randomize(vq, 3)
     torch.save({"model": _half_rounded(vq)}, out / "vq_tiny.pt")
 
     g = torch.Generator().manual_seed(0)
@@ -176,7 +156,7 @@ def _t2i_attention_mask(emb_masks: torch.Tensor, length: int) -> torch.Tensor:
 
 
 def make_llamagen_t2i(root: Path) -> None:
-    _official_path(root, "LlamaGen")
+    import_official(root, "LlamaGen")
     from autoregressive.models.generate import generate, logits_to_probs
     from autoregressive.models.gpt import ModelArgs, Transformer
 
@@ -188,7 +168,7 @@ def make_llamagen_t2i(root: Path) -> None:
         torch.manual_seed(seed)  # the null caption (a buffer) is drawn at construction
         model = Transformer(ModelArgs(block_size=n, cls_token_num=T2I_PREFIX, model_type="t2i",
                                       class_dropout_prob=0.1, **arch)).eval()
-        _randomize(model, seed, gain=1.5)
+        randomize(model, seed, gain=1.5)
         return model
 
     target, draft = gpt(LLAMAGEN_T2I_GPT, 41), gpt(LLAMAGEN_T2I_DRAFT, 42)
@@ -276,9 +256,8 @@ def make_mar(root: Path) -> None:
     import argparse as ap
     from functools import partial
 
-    _official_path(root, "mar")
-    # The official sampler moves tensors with .cuda(); on this CPU-only machine that is the identity.
-    torch.Tensor.cuda = lambda self, *args, **kwargs: self
+    import_official(root, "mar")
+    tensor_cuda_as_identity()  # the official sampler moves tensors with .cuda(); this machine has no GPU
     from models.mar import MAR
     from models.vae import AutoencoderKL, Decoder, Encoder
 
@@ -288,7 +267,7 @@ def make_mar(root: Path) -> None:
 
     def mar(config, seed):
         model = MAR(norm_layer=norm, **config).eval()
-        _randomize(model, seed)
+        randomize(model, seed)
         return model
 
     target, ema, draft = mar(MAR_TINY, 21), mar(MAR_TINY, 22), mar(MAR_TINY_DRAFT, 23)
@@ -304,7 +283,7 @@ def make_mar(root: Path) -> None:
     vae.quant_conv = torch.nn.Conv2d(8, 8, 1)
     vae.post_quant_conv = torch.nn.Conv2d(4, 4, 1)
     vae.eval()
-    _randomize(vae, 25)
+    randomize(vae, 25)
     state = _half_rounded(vae)
     state["loss.logvar"] = torch.zeros(())  # LDM training checkpoints carry their loss module
     torch.save({"model": state}, out / "kl_tiny.ckpt")
@@ -376,7 +355,7 @@ def make_diffusers(root: Path) -> None:  # noqa: ARG001  (diffusers is the insta
         folder = out / name
         folder.mkdir(parents=True, exist_ok=True)
         unet = UNet2DModel(**DDPM_UNET).eval()
-        _randomize(unet, seed)
+        randomize(unet, seed)
         unet.save_config(folder)
         (folder / "scheduler_config.json").write_text(json.dumps(DDPM_SCHEDULER, indent=2))
         state = _half_rounded(unet)
@@ -421,8 +400,8 @@ def make_dit() -> None:
     vae = AutoencoderKL(in_channels=3, out_channels=3, latent_channels=4, block_out_channels=(32, 32),
                         down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2,
                         layers_per_block=1, norm_num_groups=32, sample_size=8).eval()
-    _randomize(transformer, 31)
-    _randomize(vae, 32)
+    randomize(transformer, 31)
+    randomize(vae, 32)
     for model in (transformer, vae):
         _half_rounded(model)
     DDPMScheduler(num_train_timesteps=1000, beta_schedule="linear").save_pretrained(folder / "scheduler")
@@ -440,7 +419,8 @@ def make_dit() -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--official", type=Path, default=Path("/tmp/official"))
+    parser.add_argument("--official", type=Path, default=default_root(),
+                        help="folder holding LlamaGen/ and mar/ (default: $SPECRAY_OFFICIAL or /tmp/official)")
     parser.add_argument("families", nargs="*", default=["llamagen", "llamagen-t2i", "mar", "diffusers"])
     args = parser.parse_args()
     torch.manual_seed(0)
