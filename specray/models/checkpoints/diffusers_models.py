@@ -20,9 +20,8 @@ from typing import Any
 import torch
 
 from specray.models.checkpoints.options import DDPMOptions, weights_in
-from specray.models.checkpoints.reading import load_strict, read_checkpoint, select_entry
+from specray.models.checkpoints.reading import DTYPES, load_strict, read_checkpoint, select_entry
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _LEGACY_ATTENTION = {"query": "to_q", "key": "to_k", "value": "to_v", "proj_attn": "to_out.0"}
 # Keys of early scheduler configs: renamed, or dropped (bookkeeping of old diffusers versions).
 _SCHEDULER_RENAMES = {"timesteps": "num_train_timesteps"}

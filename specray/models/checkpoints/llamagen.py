@@ -22,11 +22,10 @@ import torch
 
 from specray.models.checkpoints.autoencoders import VQConfig, VQModel, to_uint8_images
 from specray.models.checkpoints.options import LLAMAGEN_SIZES, LlamaGenOptions
-from specray.models.checkpoints.reading import load_strict, read_checkpoint, select_entry
+from specray.models.checkpoints.reading import DTYPES, load_strict, read_checkpoint, select_entry
 from specray.models.discrete_ar import DiscreteGPT, GPTConfig
 
 GPT_ENTRIES = (None, "model", "module", "state_dict")  # FSDP (the file itself), DDP, deepspeed, other
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def gpt_config(options: LlamaGenOptions, vq: VQConfig, **condition: Any) -> GPTConfig:

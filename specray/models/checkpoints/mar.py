@@ -34,9 +34,7 @@ from specray.models.checkpoints.autoencoders import (
     to_uint8_images,
 )
 from specray.models.checkpoints.options import MAR_SIZES, MAROptions
-from specray.models.checkpoints.reading import load_strict, read_checkpoint, select_entry
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+from specray.models.checkpoints.reading import DTYPES, load_strict, read_checkpoint, select_entry
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,9 @@ from typing import Any
 
 import torch
 
+# The weight dtypes a checkpoint option may name (``dtype: bfloat16``), as torch dtypes.
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
 PICKLE_SUFFIXES = (".pt", ".pth", ".ckpt", ".bin")
 COMPILED_PREFIX = "_orig_mod."
 SAFE_EXTRA_GLOBALS = [argparse.Namespace]
