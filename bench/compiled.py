@@ -9,7 +9,9 @@ eager and one with :func:`specray.models.compiled.compile_pair`, and prints:
 - ``eager`` / ``compiled``: ms per sample, median over repetitions (interleaved, the order
   alternating), process CPU time on a CPU device (wall time on CUDA);
 - ``ratio``: median over repetitions of eager time / compiled time (> 1: compiled is faster);
-- ``same``: whether every repetition gave the same tokens and statistics on both paths.
+- ``differ``: samples whose tokens or statistics differ between the two paths (of ``samples``);
+  both are exact samplers of the same law, but last-bit differences can change a residual draw
+  (see :mod:`specray.models.compiled`).
 
     python bench/compiled.py [--batches 1,32] [--reps 5] [--samples-b1 4] [--device cpu] [--json out.json]
 """
@@ -62,7 +64,7 @@ def main(argv: list[str] | None = None) -> None:
     compile_pair(compiled)
     print(f"# eager vs compiled decode: {TARGET} / {DRAFT} on {device}, torch {torch.__version__}, {clock} clock, "
           f"{args.reps} reps")
-    print(f"{'batch':>5} {'method':<12} {'compile_s':>9} {'eager':>10} {'compiled':>10} {'ratio':>6} {'same':>5}")
+    print(f"{'batch':>5} {'method':<12} {'compile_s':>9} {'eager':>10} {'compiled':>10} {'ratio':>6} {'differ':>8}")
     rows = []
     for batch in (int(b) for b in args.batches.split(",")):
         work = batches_of(args.samples_b1 if batch == 1 else batch, batch)
@@ -72,21 +74,24 @@ def main(argv: list[str] | None = None) -> None:
             run(method, params, compiled, work[:1], args.seed, clock)  # compiles each call shape once
             compile_s = time.perf_counter() - began
             times = {"eager": [], "compiled": []}
-            same = True
+            differ = 0
             for rep in range(args.reps):
                 order = [("eager", eager), ("compiled", compiled)][:: 1 if rep % 2 == 0 else -1]
                 outs = {}
                 for name, pair in order:
                     elapsed, outs[name] = run(method, params, pair, work, args.seed, clock)
                     times[name].append(elapsed / (len(work) * batch))
-                same &= all(torch.equal(te, tc) and se == sc
-                            for (te, se), (tc, sc) in zip(outs["eager"], outs["compiled"]))
+                differ = max(differ, sum(  # the same on every repetition (both paths are deterministic)
+                    not torch.equal(te[b], tc[b]) or se[b] != sc[b]
+                    for (te, se), (tc, sc) in zip(outs["eager"], outs["compiled"]) for b in range(te.shape[0])))
             ratio = statistics.median(e / c for e, c in zip(times["eager"], times["compiled"]))
-            row = {"batch": batch, "method": method, "compile_s": compile_s, "same": same, "ratio": ratio,
+            samples = len(work) * batch
+            row = {"batch": batch, "method": method, "compile_s": compile_s, "samples": samples, "differ": differ,
+                   "ratio": ratio,
                    **{f"{k}_s_per_sample": statistics.median(v) for k, v in times.items()}}
             rows.append(row)
             print(f"{batch:>5} {method:<12} {compile_s:>9.1f} {row['eager_s_per_sample'] * 1e3:>8.2f}ms "
-                  f"{row['compiled_s_per_sample'] * 1e3:>8.2f}ms {ratio:>6.2f} {str(same):>5}", flush=True)
+                  f"{row['compiled_s_per_sample'] * 1e3:>8.2f}ms {ratio:>6.2f} {differ:>4}/{samples}", flush=True)
     if args.json is not None:
         args.json.write_text(json.dumps({"device": str(device), "clock": clock, "rows": rows}, indent=2))
 

@@ -89,7 +89,7 @@ class Family:
     # check_arm(params, target, draft) -> (field under the arm, message) or None.
     check_arm: Callable[[MethodParams, Any, Any], tuple[str, str] | None] | None = None
     # The job field ``compile: true``: compile() returns compile_pair(pair) -> None, which switches the
-    # loaded pair to its compiled decode path (same tokens). None: the family has no compiled path.
+    # loaded pair to its compiled decode path (the same law as eager). None: the family has no compiled path.
     compile: Lazy | None = None
 
     def method(self, name: str) -> Method:

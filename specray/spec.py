@@ -17,7 +17,7 @@ Example::
     num_cpus_per_actor: 1
     num_gpus_per_actor: 0           # fractions allowed: 0.5 puts two actors on a GPU
     max_shard_retries: 3
-    compile: false                  # true: torch.compile the decode steps (discrete_ar; same tokens)
+    compile: false                  # true: torch.compile the decode steps (discrete_ar)
     arms:
       - {name: target_only, family: discrete_ar, method: target_only,
          target: digits-gpt-target, draft: digits-gpt-draft}
@@ -257,8 +257,8 @@ class JobSpec:
             "conditions": self._conditions_determining(),
             "batch_size": self.batch_size,
             "arms": {arm.name: arm.fingerprint() for arm in self.arms},
-            # Compiled kernels round differently from eager ones (the tokens agree, the logits' last
-            # bits need not): a run does not mix the two. Only when set, so existing runs keep theirs.
+            # Compiled kernels round differently from eager ones, which can change a sample (rarely):
+            # a run does not mix the two. Only when set, so existing runs keep their fingerprints.
             **({"compile": True} if self.compile else {}),
         })
 

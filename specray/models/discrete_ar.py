@@ -194,7 +194,7 @@ class Attention(nn.Module):
 def explicit_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor) -> torch.Tensor:
     """``softmax(q kᵀ / √d + mask) v`` written out, for the compiled decode step: on a CPU, torch.compile
     fuses it into a few loops (3× faster than the SDPA kernel it would call for 1-token queries);
-    eager calls keep the SDPA kernel (same values to ~1e-6, so the tokens agree)."""
+    eager calls keep the SDPA kernel (the two agree to ~1e-6)."""
     scores = (q @ k.transpose(-2, -1)) * (q.shape[-1] ** -0.5)
     scores = scores.masked_fill(~attn_mask, float("-inf"))
     return torch.softmax(scores, dim=-1) @ v
