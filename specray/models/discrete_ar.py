@@ -294,6 +294,13 @@ def kv_slots(*leading: int, max_len: int, n_head: int, head_dim: int, like: torc
     return storage.transpose(-3, -2)
 
 
+def _check_slots(what: str, slots: torch.Tensor, max_len: int) -> None:
+    """Refuse slots past the cache. On CPU only: on an accelerator reading the maximum would be a
+    host sync per call, and an out-of-range index raises there anyway (a device-side assert)."""
+    if slots.device.type == "cpu" and int(slots.max()) >= max_len:
+        raise ValueError(f"{what} {int(slots.max())} exceeds cache max_len={max_len}")
+
+
 @dataclass
 class KVCache:
     """Static per-layer K/V slots ``[rows, max_len, H, hd]`` and each row's valid length."""
@@ -468,8 +475,7 @@ class DiscreteGPT(nn.Module):
         if rows is None and prefix is False and self.compiled_decode is not None:
             # The loops only feed positions inside the cache; the compiled step skips the check's host sync.
             return self.compiled_decode(tokens, positions, cache.keys, cache.values, cache.lengths)
-        if int(positions.max()) >= cache.max_len:
-            raise ValueError(f"position {int(positions.max())} exceeds cache max_len={cache.max_len}")
+        _check_slots("position", positions, cache.max_len)
         if rows is None and prefix is False:
             return self.decode_all_rows(tokens, positions, cache.keys, cache.values, cache.lengths)
         return self._cached_layers(self._embed(tokens, positions) if prefix is not False else self._embed_image(tokens),
@@ -523,8 +529,7 @@ class DiscreteGPT(nn.Module):
             slots = torch.cat([prefix_slots, slots[:, 1:]], dim=1)
         else:
             h = tok
-        if int(slots.max()) >= cache.max_len:
-            raise ValueError(f"slot {int(slots.max())} exceeds cache max_len={cache.max_len}")
+        _check_slots("slot", slots, cache.max_len)
         rope = self._rotary(slots)
         key_slots = torch.arange(cache.max_len, device=tokens.device)
         valid = cache.prefix_valid if rows is None else cache.prefix_valid[rows]
@@ -569,8 +574,7 @@ class DiscreteGPT(nn.Module):
         """
         if rows is None and tokens.shape[0] != cache.rows:
             rows = torch.arange(tokens.shape[0], device=tokens.device)
-        if int(slots.max()) >= cache.max_len:
-            raise ValueError(f"slot {int(slots.max())} exceeds cache max_len={cache.max_len}")
+        _check_slots("slot", slots, cache.max_len)
         if prefix:
             h = self._embed(tokens, positions)
         else:
