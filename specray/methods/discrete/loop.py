@@ -60,7 +60,7 @@ from specray.models.pair import ModelPair
 from specray.models.tokenizers import to_images
 
 FAMILY = "discrete_ar"
-# A call for at least this share of the batch's samples runs on every row (see GuidedModel._probs_on_all_rows).
+# A call for at least this share of the batch's samples runs on every row (see GuidedModel._park_other_rows).
 FULL_CALL_FRACTION = 0.5
 
 
