@@ -7,8 +7,8 @@ exact with sequential windows; default sampling) it reports:
 - ``alpha``: draft acceptance rate; ``len``: mean acceptance length (tokens per target call, pre-fill
   included); ``tries``/``caps``: mean residual proposals per resampled token and cap hits;
 - ``speedup``: measured speedup over ``target_only``. All arms run on the same samples and seeds,
-  interleaved (the order rotates every repetition), after a warm-up; the median over repetitions
-  of the paired ratio target_only time / arm time;
+  interleaved batch by batch (each batch runs under every arm in turn, the order rotating), after a
+  warm-up; the median over repetitions of the paired ratio target_only time / arm time;
 - ``pred``: the speedup predicted from the arm's model calls, counted by shape in an untimed pass,
   and per-call costs measured in the same run at the same batch size. A call is what a model
   computes, each kind priced by its own shape (key ``model.kind:sizes:rows``):
@@ -23,9 +23,10 @@ exact with sequential windows; default sampling) it reports:
   batch, so no shape needs interpolating), and predicted time = sum over calls of the cost of the
   call's shape; pred = predicted target_only time / predicted arm time;
 - ``eff`` = speedup / pred (1.0: no more loop overhead than target_only's own loop);
-- ``ovh`` = time / predicted time of the arm's own calls (its loop overhead factor), and
-  ``ms/rnd``: the time beyond the calls per batch-level target call (a round: a target step or
-  a window's verification).
+- ``ovh`` = time / predicted time of the arm's own calls (its loop overhead factor);
+- ``loop``: the loop's own time (outside the model calls, measured in the counting pass) per
+  batch-level target call, in ms (a round: a target step or a window's verification), and
+  ``loop%``: its share of the arm's time.
 
 Both clocks are measured: wall time, and process CPU time, which leaves out the time the process
 waits for a core on a shared machine (valid for single-threaded CPU runs only). The main columns use
@@ -62,7 +63,7 @@ from bench.pricing import (  # noqa: E402
     since,
     stamp,
     sync,
-    time_call,
+    time_calls_round_robin,
 )
 from specray.methods.continuous import loop  # noqa: E402
 from specray.methods.continuous.params import TargetOnly  # noqa: E402
@@ -110,7 +111,6 @@ class ClockResult:
     predicted_speedup: float  # from the call counts and this clock's per-call costs
     efficiency: float  # speedup / predicted_speedup
     overhead: float  # median time / predicted time of the arm's own calls
-    excess_s_per_round: float  # (median time - predicted time) per batch-level target call
     reps_s: list[float] = field(default_factory=list)
 
 
@@ -126,6 +126,8 @@ class ArmResult:
     mean_resample_tries: float
     resample_cap_hits: int
     calls: CallCounts
+    loop_s: dict[str, float]  # time outside the model calls in the counting pass, per clock
+    total_s: dict[str, float]  # the counting pass's time, per clock
     clocks: dict[str, ClockResult]
 
 
@@ -148,14 +150,17 @@ def run_arm(method: str, params: dict[str, Any], pair: ModelPair, work: list, se
     return since(start), stats
 
 
-def count_calls(method: str, params: dict[str, Any], pair: ModelPair, work: list, seed: int) -> tuple[CallCounts, list]:
+def count_calls(method: str, params: dict[str, Any], pair: ModelPair,
+                work: list, seed: int) -> tuple[CallCounts, list, dict[str, float], dict[str, float]]:
     """Untimed pass with the model calls wrapped: every call counted by its real shape.
 
     The transformer's three entry points (:meth:`ContinuousAR.new_cache`, ``append_tokens``,
     ``query``) and the loop's per-slot head chain (``loop.head_chain``) are the calls; everything
-    else the loop does is its overhead.
+    else the loop does is its overhead. Returns the counts, the stats, and per clock the time spent
+    outside the calls and the whole pass's time.
     """
     counts: Counter[str] = Counter()
+    in_calls = dict.fromkeys(CLOCK_NAMES, 0.0)
     new_cache, append_tokens, query, head_chain = (ContinuousAR.new_cache, ContinuousAR.append_tokens,
                                                    ContinuousAR.query, loop.head_chain)
 
@@ -165,31 +170,41 @@ def count_calls(method: str, params: dict[str, Any], pair: ModelPair, work: list
     def slots(cache: Any) -> int:
         return cache.keys[0].shape[1]
 
+    def call(key: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        counts[key] += 1
+        sync(pair.device)
+        start = stamp()
+        out = fn(*args, **kwargs)
+        sync(pair.device)
+        for clock, t in since(start).items():
+            in_calls[clock] += t
+        return out
+
     def counted_new_cache(self: Any, labels: torch.Tensor, extra_slots: int = 0) -> Any:
-        cache = new_cache(self, labels, extra_slots)
-        counts[shape_key(role(self, "cache"), slots(cache), labels.shape[0])] += 1
-        return cache
+        slots_needed = 1 + self.config.num_tokens + extra_slots
+        return call(shape_key(role(self, "cache"), slots_needed, labels.shape[0]), new_cache, self, labels, extra_slots)
 
     def counted_append(self: Any, cache: Any, tokens: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        counts[shape_key(role(self, "append"), tokens.shape[1], slots(cache), tokens.shape[0])] += 1
-        return append_tokens(self, cache, tokens, *args, **kwargs)
+        key = shape_key(role(self, "append"), tokens.shape[1], slots(cache), tokens.shape[0])
+        return call(key, append_tokens, self, cache, tokens, *args, **kwargs)
 
     def counted_query(self: Any, cache: Any, positions: torch.Tensor, visible: torch.Tensor) -> Any:
-        counts[shape_key(role(self, "query"), positions.shape[1], slots(cache), positions.shape[0])] += 1
-        return query(self, cache, positions, visible)
+        key = shape_key(role(self, "query"), positions.shape[1], slots(cache), positions.shape[0])
+        return call(key, query, self, cache, positions, visible)
 
     def counted_head(side: Any, schedule: DiffusionSchedule, z: Any, w: Any, x_T: torch.Tensor, *args: Any) -> Any:
-        counts[shape_key(role(side.model, "head"), schedule.num_steps, x_T.shape[0])] += 1
-        return head_chain(side, schedule, z, w, x_T, *args)
+        key = shape_key(role(side.model, "head"), schedule.num_steps, x_T.shape[0])
+        return call(key, head_chain, side, schedule, z, w, x_T, *args)
 
     ContinuousAR.new_cache, ContinuousAR.append_tokens = counted_new_cache, counted_append  # type: ignore[method-assign]
     ContinuousAR.query, loop.head_chain = counted_query, counted_head  # type: ignore[method-assign]
     try:
-        _, stats = run_arm(method, params, pair, work, seed)
+        total, stats = run_arm(method, params, pair, work, seed)
     finally:
         ContinuousAR.new_cache, ContinuousAR.append_tokens = new_cache, append_tokens  # type: ignore[method-assign]
         ContinuousAR.query, loop.head_chain = query, head_chain  # type: ignore[method-assign]
-    return CallCounts(dict(sorted(counts.items())), batch=work[0][0].shape[0]), stats
+    loop_s = {clock: total[clock] - in_calls[clock] for clock in CLOCK_NAMES}
+    return CallCounts(dict(sorted(counts.items())), batch=work[0][0].shape[0]), stats, loop_s, total
 
 
 def _call_of_shape(key: str, pair: ModelPair, use_cfg: bool, gen: torch.Generator) -> Any:
@@ -229,19 +244,13 @@ def _call_of_shape(key: str, pair: ModelPair, use_cfg: bool, gen: torch.Generato
     return append
 
 
-def call_costs(pair: ModelPair, shapes: list[str], use_cfg: bool, seconds: float = 0.02) -> dict[str, dict[str, float]]:
-    """Per-call seconds ``{clock: {shape key: s}}`` of every call shape: the median of 5 timings of
-    back-to-back calls, as many as fill about ``seconds`` (at least one)."""
+def call_costs(pair: ModelPair, shapes: list[str], use_cfg: bool) -> dict[str, dict[str, float]]:
+    """Per-call seconds ``{clock: {shape key: s}}`` of every call shape (random inputs of the shape,
+    timed round-robin: :func:`bench.pricing.time_calls_round_robin`)."""
     gen = torch.Generator().manual_seed(0)
-    out: dict[str, dict[str, float]] = {clock: {} for clock in CLOCK_NAMES}
     with torch.inference_mode():
-        for key in shapes:
-            call = _call_of_shape(key, pair, use_cfg, gen)
-            once = time_call(call, pair.device, calls=1, timings=1, warmup=1)["wall"]
-            calls = max(1, round(seconds / max(once, 1e-6)))
-            for clock, s in time_call(call, pair.device, calls, warmup=1).items():
-                out[clock][key] = s
-    return out
+        calls = {key: _call_of_shape(key, pair, use_cfg, gen) for key in shapes}
+        return time_calls_round_robin(calls, pair.device)
 
 
 def predicted_time(counts: CallCounts, costs: dict[str, float]) -> float:
@@ -261,30 +270,34 @@ def bench_batch(pair: ModelPair, batch: int, samples: int, reps: int, gamma: int
     work = batches_of(samples, batch)
     arms = [(name, method, params if method == "target_only" else {**params, "gamma": gamma})
             for name, method, params in ARMS]
-    # Warm-up (allocator, kernels), then the untimed counting pass.
-    for _, method, params in arms:
-        run_arm(method, params, pair, work[:1], seed)
+    # The untimed counting pass is also the warm-up (allocator, kernels).
     counted = {name: count_calls(method, params, pair, work, seed) for name, method, params in arms}
-    shapes = sorted({key for counts, _ in counted.values() for key in counts.shapes})
+    shapes = sorted({key for counts, *_ in counted.values() for key in counts.shapes})
     use_cfg = TargetOnly().cfg != 1.0  # the arms sample with the defaults
 
     times: dict[str, list[dict[str, float]]] = {name: [] for name, _, _ in arms}
     cost_reps: list[dict[str, dict[str, float]]] = []
-    for rep in range(reps):
+    turn = 0
+    for _ in range(reps):
         cost_reps.append(call_costs(pair, shapes, use_cfg))
-        order = arms[rep % len(arms):] + arms[: rep % len(arms)]  # rotate so drift hits every arm alike
-        for name, method, params in order:
-            elapsed, _ = run_arm(method, params, pair, work, seed)
-            times[name].append(elapsed)
+        rep = {name: dict.fromkeys(CLOCK_NAMES, 0.0) for name, _, _ in arms}
+        for unit in work:  # every arm runs each batch in turn, the order rotating: drift hits every arm alike
+            order = arms[turn % len(arms):] + arms[: turn % len(arms)]
+            turn += 1
+            for name, method, params in order:
+                elapsed, _ = run_arm(method, params, pair, [unit], seed)
+                for clock, t in elapsed.items():
+                    rep[name][clock] += t
+        for name in times:
+            times[name].append(rep[name])
     costs = median_costs(cost_reps)
 
     base_name = arms[0][0]
     results = []
     for name, method, params in arms:
-        counts, stats = counted[name]
+        counts, stats, loop_s, total_s = counted[name]
         drafted = sum(s.num_draft_tokens for s in stats)
         accepted = sum(s.num_accepted_draft_tokens for s in stats)
-        rounds = counts.total("target.head")
         clocks = {}
         for clock in CLOCK_NAMES:
             mine = [t[clock] for t in times[name]]
@@ -295,14 +308,15 @@ def bench_batch(pair: ModelPair, batch: int, samples: int, reps: int, gamma: int
             clocks[clock] = ClockResult(
                 s_per_sample=statistics.median(mine) / samples, speedup=speedup, predicted_speedup=predicted,
                 efficiency=speedup / predicted, overhead=statistics.median(mine) / pred_time,
-                excess_s_per_round=(statistics.median(mine) - pred_time) / rounds, reps_s=mine,
+                reps_s=mine,
             )
         tries, caps = resample_numbers(stats)
         results.append(ArmResult(
             name=name, method=method, params=params, batch=batch, samples=samples,
             draft_acceptance_rate=accepted / drafted if drafted else None,
             mean_acceptance_length=sum(s.num_tokens for s in stats) / sum(s.target_calls for s in stats),
-            mean_resample_tries=tries, resample_cap_hits=caps, calls=counts, clocks=clocks,
+            mean_resample_tries=tries, resample_cap_hits=caps, calls=counts, loop_s=loop_s, total_s=total_s,
+            clocks=clocks,
         ))
     return results, costs
 
@@ -330,19 +344,21 @@ def print_table(batch: int, samples: int, reps: int, costs: dict[str, dict[str, 
     print(f"\n## batch {batch}: {samples} samples, {reps} reps, {clock} clock; per call at the full batch: "
           f"{step_costs(costs[clock], batch, gamma, pair.target.config.diffusion_sample_steps, slots)}")
     header = (f"{'method':<17} {'alpha':>6} {'len':>5} {'tgt':>5} {'draft':>6} {'tries':>5} {'caps':>4} "
-              f"{'ms/sample':>10} {'speedup':>8} {'pred':>6} {'eff':>5} {'ovh':>5} {'ms/rnd':>7} "
+              f"{'ms/sample':>10} {'speedup':>8} {'pred':>6} {'eff':>5} {'ovh':>5} {'loop':>6} {'loop%':>5} "
               f"| {'speedup':>8} {'eff':>5} ({other})")
     print(header)
     print("-" * len(header))
     per_batch = samples / batch
     for r in results:
         alpha = "-" if r.draft_acceptance_rate is None else f"{r.draft_acceptance_rate:.3f}"
-        tgt, draft = r.calls.total("target.head") / per_batch, r.calls.total("draft.head") / per_batch
+        rounds = r.calls.total("target.head")
+        tgt, draft = rounds / per_batch, r.calls.total("draft.head") / per_batch
         m, o = r.clocks[clock], r.clocks[other]
         print(f"{r.name:<17} {alpha:>6} {r.mean_acceptance_length:>5.2f} {tgt:>5.1f} {draft:>6.1f} "
               f"{r.mean_resample_tries:>5.2f} {r.resample_cap_hits:>4} {m.s_per_sample * 1e3:>10.2f} "
               f"{m.speedup:>8.2f} {m.predicted_speedup:>6.2f} {m.efficiency:>5.2f} {m.overhead:>5.2f} "
-              f"{m.excess_s_per_round * 1e3:>7.2f} | {o.speedup:>8.2f} {o.efficiency:>5.2f}", flush=True)
+              f"{r.loop_s[clock] / rounds * 1e3:>6.2f} {100 * r.loop_s[clock] / r.total_s[clock]:>5.1f} "
+              f"| {o.speedup:>8.2f} {o.efficiency:>5.2f}", flush=True)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -352,8 +368,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--batches", default="1,32", help="comma-separated batch sizes")
     ap.add_argument("--samples", type=int, default=None,
                     help="samples at batch sizes > 1 (default and quick: one batch)")
-    ap.add_argument("--samples-b1", type=int, default=None, help="samples at batch 1 (default 4, quick 2)")
-    ap.add_argument("--reps", type=int, default=None, help="timed repetitions (default 5, quick 3)")
+    ap.add_argument("--samples-b1", type=int, default=None, help="samples at batch 1 (default 3, quick 1)")
+    ap.add_argument("--reps", type=int, default=None, help="timed repetitions (default 6, quick 3)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (1 for stable timing)")
     ap.add_argument("--quick", action="store_true", help="fewer samples and repetitions (a few minutes)")
@@ -364,8 +380,8 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
 
     torch.set_num_threads(args.threads)
-    samples_b1 = args.samples_b1 or (2 if args.quick else 4)
-    reps = args.reps or (3 if args.quick else 5)
+    samples_b1 = args.samples_b1 or (1 if args.quick else 3)
+    reps = args.reps or (3 if args.quick else 6)
     device = torch.device(args.device)
     clock = args.clock if args.clock != "auto" else ("cpu" if device.type == "cpu" else "wall")
     pair = load_pair(TARGET, DRAFT, device)
@@ -387,8 +403,8 @@ def main(argv: list[str] | None = None) -> None:
     print(f"\n# alpha: draft acceptance rate; len: tokens per target call; tgt, draft: head chains (one per "
           f"model step or verify) per batch; tries, caps: residual proposals per resampled token, cap hits; "
           f"speedup: vs target_only, median of paired reps; pred: predicted from the calls, each priced at "
-          f"its own shape; eff = speedup / pred; ovh = time / predicted time; ms/rnd: time beyond the calls "
-          f"per target call. Bench took {report['bench_wall_s']:.0f} s.")
+          f"its own shape; eff = speedup / pred; ovh = time / predicted time; loop: the loop's own time (outside "
+          f"the calls) per target call, in ms, and loop%: its share of the time. Bench took {report['bench_wall_s']:.0f} s.")
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(report, indent=2))

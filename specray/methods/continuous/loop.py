@@ -25,9 +25,10 @@ verified with its own step's w (the code's "last draft step's w for the whole
 window" is a bug the spec lists, §9.6).
 
 Bookkeeping: a round moves one thing from the device to the host, the window's accept
-decisions; what sets the next calls' shapes (cached tokens per row, the per-row cursor) is
-kept on the host, the round tally too, and CSpD's per-row numbers stay on the device
-(one slot per row and generation step) until the batch ends.
+decisions (the residual sampler then adds one check per pass of tries, when a token was
+rejected); what sets the next calls' shapes (cached tokens per row, the per-row cursor) is
+kept on the host, the round tally too, and CSpD's per-row numbers stay on the device (one
+slot per row and generation step) until the batch ends.
 """
 
 from __future__ import annotations
