@@ -33,6 +33,7 @@ slot per row and generation step) until the batch ends.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,10 +45,11 @@ from specray.methods.common import GenerationResult, RoundTally, SampleStats, bi
 from specray.methods.continuous.head import ChainOutput, guided_eps_fn, run_chain
 from specray.methods.continuous.params import Common, CSpD
 from specray.methods.continuous.rules import (
+    FIRST_BLOCK,
+    KeyedDraws,
     LogRatio,
     ResidualResult,
     accept,
-    keyed_draws,
     log_acceptance_ratio,
     residual_sample,
 )
@@ -225,11 +227,17 @@ class _Setup:
         return head_chain(side, self.schedule, z, w, *noise, p.temperature, p.final_step_noise, self.clip)
 
 
+@functools.lru_cache(maxsize=8)
+def _cosine_schedule(train_steps: int, sample_steps: int) -> DiffusionSchedule:
+    """The head's sampling schedule, built once per step counts (in Python, milliseconds) and only read."""
+    return DiffusionSchedule.cosine(train_steps, sample_steps)
+
+
 def _setup(params: Common, pair: ModelPair, sample_ids: torch.Tensor, seed: int) -> _Setup:
     target: ContinuousAR = pair.target
     cfgm = target.config
     steps = params.sample_steps or cfgm.diffusion_sample_steps
-    schedule = DiffusionSchedule.cosine(cfgm.diffusion_train_steps, steps)
+    schedule = _cosine_schedule(cfgm.diffusion_train_steps, steps)
     L, d = cfgm.num_tokens, cfgm.token_dim
     order = generation_order(params.order, seed, sample_ids, L)
     noise_t = ChainNoise.draw(seed, sample_ids, L, schedule.num_steps, d)
@@ -353,8 +361,10 @@ class _Cspd:
         self.q_mu1 = torch.zeros(self.b, self.L, self.d, device=dev)
         self.q_s1 = torch.ones(self.b, self.L, self.d, device=dev)
         self.q_slog = torch.zeros(self.b, self.L, dtype=torch.float64, device=dev)
-        # acceptance uniforms keyed by (sample, position), drawn once and read by generation step
+        # acceptance uniforms keyed by (sample, position), and the residual's first block of tries,
+        # drawn once and read by generation step
         self.u_accept = rng.uniform(seed, sample_ids[:, None], "accept", s.order)
+        self.first_tries = KeyedDraws.ahead(seed, sample_ids, s.order, self.d, FIRST_BLOCK)
         self.tally = RoundTally(self.b, self.gamma, self.L)  # on the host: its inputs are host masks
         self.log = _VerifyLog(self.b, self.L, dev)
 
@@ -421,7 +431,8 @@ class _Cspd:
         """Replace the tokens at flat verify slots ``slots`` (rows ``rows``, generation steps ``steps``) by residual samples."""
         slots = slots.to(self.seq.device)
         rows, steps = rows.to(self.seq.device), steps.to(self.seq.device)
-        draw = keyed_draws(self.seed, self.sample_ids[rows], v.positions[slots], self.d)
+        first_tries = (self.first_tries[0][rows, steps], self.first_tries[1][rows, steps])
+        draw = KeyedDraws(self.seed, self.sample_ids[rows], v.positions[slots], self.d, first_tries=first_tries)
         res = residual_sample(v.chain.mu1[slots].double(), v.chain.s1[slots].double(), v.q_mu1[slots].double(),
                               v.q_s1[slots].double(), v.ratio.log_factor[slots], draw, self.p.max_tries)
         self.seq[rows, steps] = res.x.to(self.seq.dtype)

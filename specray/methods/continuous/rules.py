@@ -153,17 +153,31 @@ class KeyedDraws:
 
     A :data:`DrawFn` (one try for rows ``active``), and :meth:`block` draws tries
     ``first .. first + count - 1`` at once (the same numbers: each is a function of its key).
+    ``first_tries``: the first tries of every row, drawn ahead (:meth:`ahead`), which
+    :meth:`block` serves instead of drawing them again.
     """
 
     def __init__(self, seed: int, sample_ids: torch.Tensor, positions: torch.Tensor, dim: int,
-                 stream: str = "residual") -> None:
+                 stream: str = "residual", first_tries: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         self.seed, self.sample_ids, self.positions, self.dim, self.stream = seed, sample_ids, positions, dim, stream
+        self.first_tries = first_tries
+
+    @classmethod
+    def ahead(cls, seed: int, sample_ids: torch.Tensor, positions: torch.Tensor, dim: int, tries: int,
+              stream: str = "residual") -> tuple[torch.Tensor, torch.Tensor]:
+        """Tries ``0 .. tries-1`` at ``positions [B, L]`` of samples ``sample_ids [B]``: normals
+        ``[B, L, tries, d]`` and uniforms ``[B, L, tries]``, drawn in one pass."""
+        attempts = torch.arange(tries, device=sample_ids.device)[None, None, :]
+        return cls(seed, sample_ids, positions, dim, stream)._draw(sample_ids[:, None, None], positions[..., None], attempts)
 
     def __call__(self, attempt: int, active: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self._draw(self.sample_ids[active], self.positions[active], attempt)
 
     def block(self, first: int, count: int, active: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Normals ``[len(active), count, d]`` and uniforms ``[len(active), count]`` of tries first.. ."""
+        if self.first_tries is not None and first + count <= self.first_tries[1].shape[1]:
+            normals, uniforms = self.first_tries
+            return normals[active, first : first + count], uniforms[active, first : first + count]
         attempts = torch.arange(first, first + count, device=self.sample_ids.device)[None, :]
         return self._draw(self.sample_ids[active, None], self.positions[active, None], attempts)
 
