@@ -18,6 +18,8 @@ import torch
 from scipy import stats
 
 from specray.methods.continuous.rules import (
+    FIRST_BLOCK,
+    KeyedDraws,
     accept,
     keyed_draws,
     log_acceptance_ratio,
@@ -197,12 +199,17 @@ def test_keyed_draws_in_blocks_equal_one_try_at_a_time(max_tries) -> None:
     pm, ps = torch.randn(n, d, generator=gen, dtype=torch.float64), 0.1 + torch.rand(n, d, generator=gen, dtype=torch.float64)
     qm, qs = pm + 0.02 * torch.randn(n, d, generator=gen, dtype=torch.float64), ps * 1.01
     log_c = 0.01 * torch.randn(n, generator=gen, dtype=torch.float64)
-    keyed = keyed_draws(9, torch.arange(n) // 16, torch.arange(n) % 16, d)
+    sids, pos = torch.arange(n) // 16, torch.arange(n) % 16
+    keyed = keyed_draws(9, sids, pos, d)
     blocks = residual_sample(pm, ps, qm, qs, log_c, keyed, max_tries)
     one_by_one = residual_sample(pm, ps, qm, qs, log_c, lambda attempt, active: keyed(attempt, active), max_tries)
+    normals, uniforms = KeyedDraws.ahead(9, sids, pos[:, None], d, FIRST_BLOCK)  # the loop's first tries, drawn ahead
+    ahead = residual_sample(pm, ps, qm, qs, log_c, KeyedDraws(9, sids, pos, d, first_tries=(normals[:, 0], uniforms[:, 0])),
+                            max_tries)
     assert bool(blocks.cap_hit.any()) if max_tries in (1, 3) else int(blocks.tries.max()) > 8  # caps; several blocks
     for field in ("x", "tries", "cap_hit"):
         assert torch.equal(getattr(blocks, field), getattr(one_by_one, field)), field
+        assert torch.equal(getattr(ahead, field), getattr(one_by_one, field)), field
 
 
 # -- T3: residual sampler, 2-D -------------------------------------------------------------------
