@@ -8,7 +8,9 @@ exact with sequential windows; default sampling) it reports:
   included); ``tries``/``caps``: mean residual proposals per resampled token and cap hits;
 - ``speedup``: measured speedup over ``target_only``. All arms run on the same samples and seeds,
   interleaved batch by batch (each batch runs under every arm in turn, the order rotating), after a
-  warm-up; the median over repetitions of the paired ratio target_only time / arm time;
+  warm-up; the median over repetitions and batches of the paired ratio target_only time / arm time
+  on the same batch in the same repetition (pairs close in time: on a shared machine whose load comes
+  and goes, most pairs see the same load);
 - ``pred``: the speedup predicted from the arm's model calls, counted by shape in an untimed pass,
   and per-call costs measured in the same run at the same batch size. A call is what a model
   computes, each kind priced by its own shape (key ``model.kind:sizes:rows``):
@@ -20,8 +22,10 @@ exact with sequential windows; default sampling) it reports:
     batch times the slots of a verify window; CFG doubles the head's rows inside the call).
 
   Every shape used is timed in the same run (the continuous loops always feed every row of the
-  batch, so no shape needs interpolating), and predicted time = sum over calls of the cost of the
-  call's shape; pred = predicted target_only time / predicted arm time;
+  batch, so no shape needs interpolating), a few shapes after each arm's run so that the timings
+  and the runs see the same stretches of a shared machine's load (at least 8 timings per shape,
+  each of calls filling about 20 ms; the median). Predicted time = sum over calls of the cost of
+  the call's shape; pred = predicted target_only time / predicted arm time;
 - ``eff`` = speedup / pred (1.0: no more loop overhead than target_only's own loop);
 - ``ovh`` = time / predicted time of the arm's own calls (its loop overhead factor);
 - ``loop``: the loop's own time (outside the model calls, measured in the counting pass) per
@@ -55,7 +59,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.pricing import (  # noqa: E402
     CLOCK_NAMES,
-    median_costs,
+    InterleavedTimer,
     paired_speedup,
     parse_shape,
     shape_cost,
@@ -63,7 +67,6 @@ from bench.pricing import (  # noqa: E402
     since,
     stamp,
     sync,
-    time_calls_round_robin,
 )
 from specray.methods.continuous import loop  # noqa: E402
 from specray.methods.continuous.params import TargetOnly  # noqa: E402
@@ -87,7 +90,7 @@ ARMS: list[tuple[str, str, dict[str, Any]]] = [
     ("exact sequential", "cspd", {"mode": "exact", "window": "sequential"}),
 ]
 
-CALL_KINDS = ("cache", "append", "query", "head")
+COST_TIMINGS = 8  # timings per call shape at least
 
 
 @dataclass
@@ -107,11 +110,12 @@ class ClockResult:
     """Timing of one arm under one clock."""
 
     s_per_sample: float  # median over repetitions
-    speedup: float  # median over repetitions of (target_only time / this arm's time), same repetition
+    speedup: float  # median over repetitions and batches of (target_only time / this arm's time), same batch
     predicted_speedup: float  # from the call counts and this clock's per-call costs
     efficiency: float  # speedup / predicted_speedup
     overhead: float  # median time / predicted time of the arm's own calls
-    reps_s: list[float] = field(default_factory=list)
+    reps_s: list[float] = field(default_factory=list)  # per repetition (all batches)
+    runs_s: list[float] = field(default_factory=list)  # per repetition and batch
 
 
 @dataclass
@@ -236,7 +240,8 @@ def _call_of_shape(key: str, pair: ModelPair, use_cfg: bool, gen: torch.Generato
     if kind == "query":
         visible = torch.full((rows, tokens), mid + 1, device=device)
         return lambda: model.query(cache, positions, visible)
-    new_tokens, n_valid, length = randn(rows, tokens, c.token_dim), torch.full((rows,), tokens, device=device), cache.length
+    new_tokens, n_valid = randn(rows, tokens, c.token_dim), torch.full((rows,), tokens, device=device)
+    length = cache.length
 
     def append() -> None:
         cache.length = length  # each call appends at the same place
@@ -244,13 +249,12 @@ def _call_of_shape(key: str, pair: ModelPair, use_cfg: bool, gen: torch.Generato
     return append
 
 
-def call_costs(pair: ModelPair, shapes: list[str], use_cfg: bool) -> dict[str, dict[str, float]]:
-    """Per-call seconds ``{clock: {shape key: s}}`` of every call shape (random inputs of the shape,
-    timed round-robin: :func:`bench.pricing.time_calls_round_robin`)."""
+def cost_timer(pair: ModelPair, shapes: list[str], use_cfg: bool) -> InterleavedTimer:
+    """A timer of every call shape (random inputs of the shape), stepped between the arms' runs."""
     gen = torch.Generator().manual_seed(0)
     with torch.inference_mode():
         calls = {key: _call_of_shape(key, pair, use_cfg, gen) for key in shapes}
-        return time_calls_round_robin(calls, pair.device)
+    return InterleavedTimer(calls, pair.device)
 
 
 def predicted_time(counts: CallCounts, costs: dict[str, float]) -> float:
@@ -275,22 +279,20 @@ def bench_batch(pair: ModelPair, batch: int, samples: int, reps: int, gamma: int
     shapes = sorted({key for counts, *_ in counted.values() for key in counts.shapes})
     use_cfg = TargetOnly().cfg != 1.0  # the arms sample with the defaults
 
-    times: dict[str, list[dict[str, float]]] = {name: [] for name, _, _ in arms}
-    cost_reps: list[dict[str, dict[str, float]]] = []
+    runs: dict[str, list[dict[str, float]]] = {name: [] for name, _, _ in arms}  # per repetition and batch
+    timer = cost_timer(pair, shapes, use_cfg)
+    # Every shape is timed COST_TIMINGS times or more, a few shapes after each arm's run.
+    per_run = -(-len(shapes) * COST_TIMINGS // (reps * len(work) * len(arms)))
     turn = 0
     for _ in range(reps):
-        cost_reps.append(call_costs(pair, shapes, use_cfg))
-        rep = {name: dict.fromkeys(CLOCK_NAMES, 0.0) for name, _, _ in arms}
         for unit in work:  # every arm runs each batch in turn, the order rotating: drift hits every arm alike
             order = arms[turn % len(arms):] + arms[: turn % len(arms)]
             turn += 1
             for name, method, params in order:
                 elapsed, _ = run_arm(method, params, pair, [unit], seed)
-                for clock, t in elapsed.items():
-                    rep[name][clock] += t
-        for name in times:
-            times[name].append(rep[name])
-    costs = median_costs(cost_reps)
+                timer.step(per_run)
+                runs[name].append(elapsed)
+    costs = timer.costs()
 
     base_name = arms[0][0]
     results = []
@@ -300,15 +302,17 @@ def bench_batch(pair: ModelPair, batch: int, samples: int, reps: int, gamma: int
         accepted = sum(s.num_accepted_draft_tokens for s in stats)
         clocks = {}
         for clock in CLOCK_NAMES:
-            mine = [t[clock] for t in times[name]]
-            base = [t[clock] for t in times[base_name]]
+            # paired batch by batch: a batch's runs under every arm are close in time
+            mine = [t[clock] for t in runs[name]]
+            base = [t[clock] for t in runs[base_name]]
+            rep_totals = [sum(mine[i : i + len(work)]) for i in range(0, len(mine), len(work))]
             pred_time = predicted_time(counts, costs[clock])
             predicted = predicted_time(counted[base_name][0], costs[clock]) / pred_time
             speedup = paired_speedup(base, mine)
             clocks[clock] = ClockResult(
-                s_per_sample=statistics.median(mine) / samples, speedup=speedup, predicted_speedup=predicted,
-                efficiency=speedup / predicted, overhead=statistics.median(mine) / pred_time,
-                reps_s=mine,
+                s_per_sample=statistics.median(rep_totals) / samples, speedup=speedup, predicted_speedup=predicted,
+                efficiency=speedup / predicted, overhead=statistics.median(rep_totals) / pred_time,
+                reps_s=rep_totals, runs_s=mine,
             )
         tries, caps = resample_numbers(stats)
         results.append(ArmResult(
@@ -402,9 +406,10 @@ def main(argv: list[str] | None = None) -> None:
     report["bench_wall_s"] = time.perf_counter() - started
     print(f"\n# alpha: draft acceptance rate; len: tokens per target call; tgt, draft: head chains (one per "
           f"model step or verify) per batch; tries, caps: residual proposals per resampled token, cap hits; "
-          f"speedup: vs target_only, median of paired reps; pred: predicted from the calls, each priced at "
-          f"its own shape; eff = speedup / pred; ovh = time / predicted time; loop: the loop's own time (outside "
-          f"the calls) per target call, in ms, and loop%: its share of the time. Bench took {report['bench_wall_s']:.0f} s.")
+          f"speedup: vs target_only, median of paired runs (same batch, same rep); pred: predicted from the "
+          f"calls, each priced at its own shape; eff = speedup / pred; ovh = time / predicted time; loop: the "
+          f"loop's own time (outside the calls) per target call, in ms, and loop%: its share of the time. "
+          f"Bench took {report['bench_wall_s']:.0f} s.")
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(report, indent=2))

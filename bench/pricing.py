@@ -80,27 +80,37 @@ def time_call(call: Callable[[], object], device: torch.device, calls: int, timi
     return {clock: statistics.median(ts) for clock, ts in times.items()}
 
 
-def time_calls_round_robin(calls: dict[str, Callable[[], object]], device: torch.device, timings: int = 5,
-                           seconds: float = 0.02) -> dict[str, dict[str, float]]:
-    """Seconds per call ``{clock: {key: s}}`` of several calls: each timed ``timings`` times, one timing of
-    every call per pass (so that drift on a shared machine hits every call alike), each timing of as
-    many back-to-back calls as fill about ``seconds`` (at least one); the median per call."""
-    repeat: dict[str, int] = {}
-    for key, call in calls.items():
-        once = time_call(call, device, calls=1, timings=1, warmup=1)["wall"]
-        repeat[key] = max(1, round(seconds / max(once, 1e-6)))
-    times: dict[str, dict[str, list[float]]] = {clock: {key: [] for key in calls} for clock in CLOCK_NAMES}
-    for _ in range(timings):
-        for key, call in calls.items():
-            for clock, t in time_call(call, device, repeat[key], timings=1, warmup=0).items():
-                times[clock][key].append(t)
-    return {clock: {key: statistics.median(ts) for key, ts in by_key.items()} for clock, by_key in times.items()}
+class InterleavedTimer:
+    """Per-call costs of several calls, timed a few at a time between other work (:meth:`step`),
+    cycling through the calls: on a shared machine each call's timings then sample the same
+    stretches of drift as the work around them. Each timing is of as many back-to-back calls as
+    fill about ``seconds`` (at least one, calibrated on the first calls after a warm-up)."""
 
+    def __init__(self, calls: dict[str, Callable[[], object]], device: torch.device, seconds: float = 0.02) -> None:
+        self.calls, self.device = calls, device
+        self.repeat: dict[str, int] = {}
+        with torch.inference_mode():
+            for key, call in calls.items():
+                once = time_call(call, device, calls=1, timings=1, warmup=1)["wall"]
+                self.repeat[key] = max(1, round(seconds / max(once, 1e-6)))
+        self.times: dict[str, dict[str, list[float]]] = {clock: {key: [] for key in calls} for clock in CLOCK_NAMES}
+        self._keys = list(calls)
+        self._next = 0
 
-def median_costs(cost_reps: list[dict[str, dict[str, float]]]) -> dict[str, dict[str, float]]:
-    """Per-call costs ``{clock: {key: s}}``: each key's median over the repetitions' timings."""
-    return {clock: {key: statistics.median(c[clock][key] for c in cost_reps) for key in cost_reps[0][clock]}
-            for clock in CLOCK_NAMES}
+    def step(self, count: int = 1) -> None:
+        """Time the next ``count`` calls of the cycle once each."""
+        for _ in range(count):
+            key = self._keys[self._next % len(self._keys)]
+            self._next += 1
+            with torch.inference_mode():
+                timing = time_call(self.calls[key], self.device, self.repeat[key], timings=1, warmup=0)
+            for clock, t in timing.items():
+                self.times[clock][key].append(t)
+
+    def costs(self) -> dict[str, dict[str, float]]:
+        """Seconds per call ``{clock: {key: s}}``: the median of each call's timings."""
+        return {clock: {key: statistics.median(ts) for key, ts in by_key.items()}
+                for clock, by_key in self.times.items()}
 
 
 def paired_speedup(base: Iterable[float], mine: Iterable[float]) -> float:

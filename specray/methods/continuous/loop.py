@@ -423,12 +423,15 @@ class _Cspd:
         idx = steps.clamp(max=self.L - 1).to(self.seq.device)
         positions = torch.gather(s.order, 1, idx)
         z = self.tgt.context(self.seq, s.order, upto, positions, visible)
-        gather = lambda t: torch.gather(t, 1, idx[..., None].expand(-1, -1, t.shape[-1]) if t.dim() == 3 else idx)  # noqa: E731
+        def gather(t: torch.Tensor) -> torch.Tensor:
+            return torch.gather(t, 1, idx[..., None].expand(-1, -1, t.shape[-1]) if t.dim() == 3 else idx)
+
         return self._decide(z, s.w[idx], s.target_steps.at(idx), gather(self.seq), gather(self.q_mu1),
                             gather(self.q_s1), gather(self.q_slog), gather(self.u_accept), positions)
 
     def resample(self, v: _Verified, slots: torch.Tensor, rows: torch.Tensor, steps: torch.Tensor) -> None:
-        """Replace the tokens at flat verify slots ``slots`` (rows ``rows``, generation steps ``steps``) by residual samples."""
+        """Replace the tokens at flat verify slots ``slots`` (rows ``rows``, generation steps ``steps``) by
+        residual samples."""
         slots = slots.to(self.seq.device)
         rows, steps = rows.to(self.seq.device), steps.to(self.seq.device)
         first_tries = (self.first_tries[0][rows, steps], self.first_tries[1][rows, steps])
@@ -492,7 +495,8 @@ class _Cspd:
             rows_b = torch.nonzero(bonus).squeeze(-1)
             if rows_b.numel():
                 at = rows_b.to(dev)
-                self.seq[at, (n[rows_b] + gamma).to(dev)] = v.chain.x0.reshape(self.b, gamma + 1, self.d)[at, gamma].to(self.seq.dtype)
+                bonus_x0 = v.chain.x0.reshape(self.b, gamma + 1, self.d)[at, gamma]
+                self.seq[at, (n[rows_b] + gamma).to(dev)] = bonus_x0.to(self.seq.dtype)
             emitted = torch.where(any_rejected | bonus, a + 1, a) * active
             # window slot j is generation step n + j; slots at or past m_valid were not drafted
             rows = torch.nonzero(active).squeeze(-1)

@@ -168,7 +168,8 @@ class KeyedDraws:
         """Tries ``0 .. tries-1`` at ``positions [B, L]`` of samples ``sample_ids [B]``: normals
         ``[B, L, tries, d]`` and uniforms ``[B, L, tries]``, drawn in one pass."""
         attempts = torch.arange(tries, device=sample_ids.device)[None, None, :]
-        return cls(seed, sample_ids, positions, dim, stream)._draw(sample_ids[:, None, None], positions[..., None], attempts)
+        draws = cls(seed, sample_ids, positions, dim, stream)
+        return draws._draw(sample_ids[:, None, None], positions[..., None], attempts)
 
     def __call__(self, attempt: int, active: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self._draw(self.sample_ids[active], self.positions[active], attempt)
