@@ -23,8 +23,8 @@ exact with sequential windows; default sampling) it reports:
 
   Every shape used is timed in the same run (the continuous loops always feed every row of the
   batch, so no shape needs interpolating), a few shapes after each arm's run so that the timings
-  and the runs see the same stretches of a shared machine's load (at least 8 timings per shape,
-  each of calls filling about 20 ms; the median). Predicted time = sum over calls of the cost of
+  and the runs see the same stretches of a shared machine's load (at least 24 timings per shape,
+  8 with ``--quick``, each of calls filling about 20 ms; the median). Predicted time = sum over calls of the cost of
   the call's shape; pred = predicted target_only time / predicted arm time;
 - ``eff`` = speedup / pred (1.0: no more loop overhead than target_only's own loop);
 - ``ovh`` = time / predicted time of the arm's own calls (its loop overhead factor);
@@ -90,7 +90,6 @@ ARMS: list[tuple[str, str, dict[str, Any]]] = [
     ("exact sequential", "cspd", {"mode": "exact", "window": "sequential"}),
 ]
 
-COST_TIMINGS = 8  # timings per call shape at least
 
 
 @dataclass
@@ -269,8 +268,8 @@ def resample_numbers(stats: list) -> tuple[float, int]:
     return (tries / resampled if resampled else 0.0), sum(s.extra.get("resample_cap_hits", 0) for s in stats)
 
 
-def bench_batch(pair: ModelPair, batch: int, samples: int, reps: int, gamma: int,
-                seed: int) -> tuple[list[ArmResult], dict[str, dict[str, float]]]:
+def bench_batch(pair: ModelPair, batch: int, samples: int, reps: int, gamma: int, seed: int,
+                cost_timings: int) -> tuple[list[ArmResult], dict[str, dict[str, float]]]:
     work = batches_of(samples, batch)
     arms = [(name, method, params if method == "target_only" else {**params, "gamma": gamma})
             for name, method, params in ARMS]
@@ -281,8 +280,8 @@ def bench_batch(pair: ModelPair, batch: int, samples: int, reps: int, gamma: int
 
     runs: dict[str, list[dict[str, float]]] = {name: [] for name, _, _ in arms}  # per repetition and batch
     timer = cost_timer(pair, shapes, use_cfg)
-    # Every shape is timed COST_TIMINGS times or more, a few shapes after each arm's run.
-    per_run = -(-len(shapes) * COST_TIMINGS // (reps * len(work) * len(arms)))
+    # Every shape is timed cost_timings times or more, a few shapes after each arm's run.
+    per_run = -(-len(shapes) * cost_timings // (reps * len(work) * len(arms)))
     turn = 0
     for _ in range(reps):
         for unit in work:  # every arm runs each batch in turn, the order rotating: drift hits every arm alike
@@ -371,8 +370,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--gamma", type=int, default=4)
     ap.add_argument("--batches", default="1,32", help="comma-separated batch sizes")
     ap.add_argument("--samples", type=int, default=None,
-                    help="samples at batch sizes > 1 (default and quick: one batch)")
-    ap.add_argument("--samples-b1", type=int, default=None, help="samples at batch 1 (default 3, quick 1)")
+                    help="samples at batch sizes > 1 (default: --batches-large batches)")
+    ap.add_argument("--batches-large", type=int, default=None,
+                    help="number of batches at batch sizes > 1 (default 2, quick 1)")
+    ap.add_argument("--samples-b1", type=int, default=None, help="samples at batch 1 (default 2, quick 1)")
     ap.add_argument("--reps", type=int, default=None, help="timed repetitions (default 6, quick 3)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (1 for stable timing)")
@@ -384,7 +385,9 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
 
     torch.set_num_threads(args.threads)
-    samples_b1 = args.samples_b1 or (1 if args.quick else 3)
+    samples_b1 = args.samples_b1 or (1 if args.quick else 2)
+    batches_large = args.batches_large or (1 if args.quick else 2)
+    cost_timings = 8 if args.quick else 24
     reps = args.reps or (3 if args.quick else 6)
     device = torch.device(args.device)
     clock = args.clock if args.clock != "auto" else ("cpu" if device.type == "cpu" else "wall")
@@ -398,8 +401,8 @@ def main(argv: list[str] | None = None) -> None:
         "quick": args.quick, "clock": clock, "batches": [],
     }
     for batch in [int(b) for b in args.batches.split(",")]:
-        samples = samples_b1 if batch == 1 else (args.samples or batch)
-        results, costs = bench_batch(pair, batch, samples, reps, args.gamma, args.seed)
+        samples = samples_b1 if batch == 1 else (args.samples or batch * batches_large)
+        results, costs = bench_batch(pair, batch, samples, reps, args.gamma, args.seed, cost_timings)
         print_table(batch, samples, reps, costs, results, clock, args.gamma, pair)
         report["batches"].append({"batch": batch, "samples": samples, "reps": reps, "call_costs_s": costs,
                                   "arms": [asdict(r) for r in results]})
