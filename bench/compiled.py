@@ -28,10 +28,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from discrete import DRAFT, TARGET, _sync, batches_of, since, stamp  # noqa: E402
-
+from bench.discrete import DRAFT, TARGET, batches_of  # noqa: E402
+from bench.pricing import since, stamp, sync  # noqa: E402
 from specray.methods.discrete.loop import generate_tokens  # noqa: E402
 from specray.models.compiled import compile_pair  # noqa: E402
 from specray.models.discrete_ar import load_pair  # noqa: E402
@@ -41,10 +40,10 @@ ARMS = (("target_only", {}), ("sd", {"gamma": 4}), ("cool_sd", {"gamma": 4}))
 
 def run(method: str, params: dict, pair, work: list, seed: int, clock: str) -> tuple[float, list]:
     """Seconds (``clock``) for every batch of ``work``, and the tokens and stats of each batch."""
-    _sync(pair.device)
+    sync(pair.device)
     start = stamp()
     outputs = [generate_tokens(method, params, pair, labels, sids, seed) for labels, sids in work]
-    _sync(pair.device)
+    sync(pair.device)
     return since(start)[clock], outputs
 
 

@@ -51,6 +51,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.pricing import CLOCK_NAMES, parse_shape, partial_rows_grid, shape_cost, shape_key, since, stamp  # noqa: E402
+from bench.pricing import sync as _sync  # noqa: E402
 from specray.methods.discrete.eagle_loop import HeadStream, TargetStream  # noqa: E402
 from specray.methods.discrete.loop import GuidedModel, run_batch  # noqa: E402
 from specray.methods.discrete.params import SD  # noqa: E402
@@ -75,16 +77,6 @@ ARMS: list[tuple[str, str, dict[str, Any], str]] = [
     ("eagle lantern sm", "lantern", {"tree": "small"}, HEAD),
     ("eagle cool2 sm", "cool_sd", {"tree": "small", "delta": 2.0}, HEAD),
 ]
-
-
-def shape_key(role: str, tokens: int, rows: int) -> str:
-    """Key of one kind of :meth:`GuidedModel.forward` call: model, tokens per row, rows (samples) fed."""
-    return f"{role}:{tokens}:{rows}"
-
-
-def parse_shape(key: str) -> tuple[str, int, int]:
-    role, tokens, rows = key.split(":")
-    return role, int(tokens), int(rows)
 
 
 @dataclass
@@ -127,26 +119,6 @@ class ArmResult:
     draft_acceptance_rate: float | None
     calls: CallCounts
     clocks: dict[str, ClockResult]
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-# Every timing reads both clocks. "wall": time.perf_counter. "cpu": process CPU time, which on a
-# shared machine leaves out the time the process waits for a core (a fair clock for single-threaded
-# torch on CPU only: it misses asynchronous GPU work).
-CLOCK_NAMES = ("wall", "cpu")
-
-
-def stamp() -> tuple[float, float]:
-    return time.perf_counter(), time.process_time()
-
-
-def since(start: tuple[float, float]) -> dict[str, float]:
-    end = stamp()
-    return {name: end[i] - start[i] for i, name in enumerate(CLOCK_NAMES)}
 
 
 def batches_of(samples: int, batch: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -198,12 +170,6 @@ def count_calls(method: str, params: dict[str, Any], pair: ModelPair, work: list
         for cls, name in methods.items():
             setattr(cls, name, originals[cls])
     return CallCounts(dict(sorted(counts.items())), batch=work[0][0].shape[0]), stats
-
-
-def partial_rows_grid(batch: int) -> list[int]:
-    """Row counts at which calls with fewer rows than the batch are timed (others interpolated)."""
-    grid = {1 << k for k in range(batch.bit_length()) if 1 << k < batch}
-    return sorted(grid | ({batch - 1} if batch > 1 else set()))
 
 
 def shapes_to_time(counts: list[CallCounts], batch: int) -> list[str]:
@@ -283,19 +249,6 @@ def call_costs(pairs: dict[str, ModelPair], batch: int, gamma: int, shapes: list
             for clock in CLOCK_NAMES:
                 out[clock][key] = statistics.median(times[clock])
     return out
-
-
-def shape_cost(key: str, costs: dict[str, float], batch: int) -> float:
-    """Cost of one call of shape ``key``: measured, or (partial rows off the grid) linear in rows
-    between the two nearest timed row counts of the same kind."""
-    if key in costs:
-        return costs[key]
-    role, tokens, rows = parse_shape(key)
-    grid = partial_rows_grid(batch)
-    hi = next(g for g in grid if g > rows)
-    lo = max(g for g in grid if g < rows)
-    c_lo, c_hi = costs[shape_key(role, tokens, lo)], costs[shape_key(role, tokens, hi)]
-    return c_lo + (c_hi - c_lo) * (rows - lo) / (hi - lo)
 
 
 def predicted_time(counts: CallCounts, costs: dict[str, float]) -> float:

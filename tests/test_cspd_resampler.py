@@ -18,6 +18,8 @@ import torch
 from scipy import stats
 
 from specray.methods.continuous.rules import (
+    FIRST_BLOCK,
+    KeyedDraws,
     accept,
     keyed_draws,
     log_acceptance_ratio,
@@ -186,6 +188,28 @@ def test_keyed_draws_are_batch_independent() -> None:
     assert torch.equal(full.tries[1::2], half.tries)
     dens = residual_density_1d((0.0, 1.0), (0.7, 0.8))
     assert ks_against(full.x[:, 0].numpy(), cdf_from_density(dens)) <= KS_C / math.sqrt(n)
+
+
+@pytest.mark.parametrize("max_tries", [1, 3, 100, None])
+def test_keyed_draws_in_blocks_equal_one_try_at_a_time(max_tries) -> None:
+    """Keyed draws are sampled a block of tries per pass; a plain DrawFn over the same keys takes one try
+    per pass: the same tokens, tries and cap hits, bit for bit (close P and Q: many tries, some caps)."""
+    n, d = 300, 4
+    gen = torch.Generator().manual_seed(3)
+    pm, ps = torch.randn(n, d, generator=gen, dtype=torch.float64), 0.1 + torch.rand(n, d, generator=gen, dtype=torch.float64)
+    qm, qs = pm + 0.02 * torch.randn(n, d, generator=gen, dtype=torch.float64), ps * 1.01
+    log_c = 0.01 * torch.randn(n, generator=gen, dtype=torch.float64)
+    sids, pos = torch.arange(n) // 16, torch.arange(n) % 16
+    keyed = keyed_draws(9, sids, pos, d)
+    blocks = residual_sample(pm, ps, qm, qs, log_c, keyed, max_tries)
+    one_by_one = residual_sample(pm, ps, qm, qs, log_c, lambda attempt, active: keyed(attempt, active), max_tries)
+    normals, uniforms = KeyedDraws.ahead(9, sids, pos[:, None], d, FIRST_BLOCK)  # the loop's first tries, drawn ahead
+    ahead = residual_sample(pm, ps, qm, qs, log_c, KeyedDraws(9, sids, pos, d, first_tries=(normals[:, 0], uniforms[:, 0])),
+                            max_tries)
+    assert bool(blocks.cap_hit.any()) if max_tries in (1, 3) else int(blocks.tries.max()) > 8  # caps; several blocks
+    for field in ("x", "tries", "cap_hit"):
+        assert torch.equal(getattr(blocks, field), getattr(one_by_one, field)), field
+        assert torch.equal(getattr(ahead, field), getattr(one_by_one, field)), field
 
 
 # -- T3: residual sampler, 2-D -------------------------------------------------------------------

@@ -23,10 +23,17 @@ CFG: scale ``cfg`` with ``cfg_schedule`` constant or linear (w_k = 1 + (w−1)(k
 for the token emitted at generation step k); each position is drafted and
 verified with its own step's w (the code's "last draft step's w for the whole
 window" is a bug the spec lists, §9.6).
+
+Bookkeeping: a round moves one thing from the device to the host, the window's accept
+decisions (the residual sampler then adds one check per pass of tries, when a token was
+rejected); what sets the next calls' shapes (cached tokens per row, the per-row cursor) is
+kept on the host, the round tally too, and CSpD's per-row numbers stay on the device (one
+slot per row and generation step) until the batch ends.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,7 +44,15 @@ from specray.families import Method, resolve
 from specray.methods.common import GenerationResult, RoundTally, SampleStats, bind_conditions
 from specray.methods.continuous.head import ChainOutput, guided_eps_fn, run_chain
 from specray.methods.continuous.params import Common, CSpD
-from specray.methods.continuous.rules import accept, keyed_draws, log_acceptance_ratio, residual_sample
+from specray.methods.continuous.rules import (
+    FIRST_BLOCK,
+    KeyedDraws,
+    LogRatio,
+    ResidualResult,
+    accept,
+    log_acceptance_ratio,
+    residual_sample,
+)
 from specray.models.continuous_ar import ContentCache, ContinuousAR, tokens_to_uint8
 from specray.models.continuous_schedule import DiffusionSchedule
 from specray.models.pair import ModelPair
@@ -48,7 +63,8 @@ FAMILY = "continuous_ar"
 # -- shared randomness -------------------------------------------------------------------------------
 @dataclass
 class ChainNoise:
-    """x_T ``[B, L, d]`` and per-step noise ``[B, L, T, d]``, indexed by spatial position."""
+    """x_T ``[B, L, d]`` and per-step noise ``[B, L, T, d]``, indexed by spatial position (or, once
+    :meth:`in_order`, by generation step)."""
 
     x_T: torch.Tensor
     eps: torch.Tensor
@@ -62,11 +78,23 @@ class ChainNoise:
         eps = rng.normal(seed, sample_ids[:, None, None], "eps" + suffix, pos[None, :, None], steps[None, None, :], shape=(dim,))
         return cls(x_T=x_T, eps=eps)
 
-    def take(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Noise of ``positions [B, m]`` flattened to ``[B·m, d]`` and ``[B·m, T, d]``."""
-        b, m = positions.shape
-        rows = torch.arange(b, device=positions.device)[:, None].expand(b, m)
-        return self.x_T[rows, positions].reshape(b * m, -1), self.eps[rows, positions].reshape(b * m, *self.eps.shape[2:])
+    def in_order(self, order: torch.Tensor) -> "ChainNoise":
+        """The same noise indexed by generation step: row b's step k holds position ``order[b, k]``'s."""
+        rows = torch.arange(order.shape[0], device=order.device)[:, None]
+        return ChainNoise(self.x_T[rows, order], self.eps[rows, order])
+
+    def steps(self, first: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Noise of generation steps ``first .. stop-1`` of every row, flattened to ``[B·m, d]`` and
+        ``[B·m, T, d]`` (fresh contiguous copies: the head's matmuls see what a gather would give them)."""
+        x_T = self.x_T[:, first:stop].clone(memory_format=torch.contiguous_format)
+        eps = self.eps[:, first:stop].clone(memory_format=torch.contiguous_format)
+        return x_T.reshape(-1, x_T.shape[-1]), eps.reshape(-1, *eps.shape[2:])
+
+    def at(self, steps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Noise of generation steps ``steps [B, m]`` (one per row and slot), flattened like :meth:`steps`."""
+        b, m = steps.shape
+        rows = torch.arange(b, device=steps.device)[:, None]
+        return self.x_T[rows, steps].reshape(b * m, -1), self.eps[rows, steps].reshape(b * m, *self.eps.shape[2:])
 
 
 def generation_order(kind: str, seed: int, sample_ids: torch.Tensor, num_tokens: int) -> torch.Tensor:
@@ -91,60 +119,62 @@ def cfg_scales(cfg: float, schedule: str, num_tokens: int, device: torch.device)
 
 # -- one model's side of the loop ------------------------------------------------------------------
 class ModelSide:
-    """A model with its content cache over the shared token sequence (conditional + null rows under CFG)."""
+    """A model with its content cache over the shared token sequence (conditional + null rows under CFG).
+
+    How many tokens each row has cached is mirrored on the host (``cached``, CPU): the loops know
+    how many tokens a forward appends without asking the device.
+    """
 
     def __init__(self, model: ContinuousAR, labels: torch.Tensor, use_cfg: bool, extra_slots: int) -> None:
         self.model = model
         self.use_cfg = use_cfg
         self.batch = labels.shape[0]
+        self.device = labels.device
         rows = torch.cat([labels, torch.full_like(labels, model.null_class)]) if use_cfg else labels
         # A masked (MAR-style) model has no cache: every forward sees the visible tokens afresh.
         self.masked = getattr(model, "masked_context", False)
         self.row_labels = rows
         self.cache: ContentCache | None = None if self.masked else model.new_cache(rows, extra_slots=extra_slots)
+        self.cached = torch.zeros(self.batch, dtype=torch.int64)  # tokens cached per row (slot 0 is the class entry)
 
     def _dup(self, t: torch.Tensor) -> torch.Tensor:
         return torch.cat([t, t]) if self.use_cfg else t
 
-    def cached_tokens(self) -> torch.Tensor:
-        if self.cache is None:
-            return torch.zeros(self.batch, dtype=torch.int64, device=self.row_labels.device)
-        return self.cache.length[: self.batch] - 1  # slot 0 is the class entry
-
     def truncate(self, num_tokens: torch.Tensor) -> None:
+        """Keep at most ``num_tokens [B]`` (host) tokens cached per row; later ones are stale."""
         if self.cache is not None:
-            self.cache.truncate(self._dup(num_tokens + 1))
+            self.cached = torch.minimum(self.cached, num_tokens)
+            self.cache.truncate(self._dup(self.cached.to(self.device) + 1))
 
-    def _masked_context(self, seq: torch.Tensor, order: torch.Tensor, query_index: torch.Tensor,
+    def _masked_context(self, seq: torch.Tensor, order: torch.Tensor, positions: torch.Tensor,
                         visible: torch.Tensor) -> torch.Tensor:
         """z from a masked model: one forward per distinct visible count across the query slots."""
-        positions = torch.gather(order, 1, query_index.clamp(max=order.shape[1] - 1))
-        seq, order, positions, visible = (self._dup(t) for t in (seq, order, positions, visible))
-        if bool((visible == visible[:, :1]).all()):
+        uniform = bool((visible == visible[:, :1]).all())  # host
+        seq, order, positions, visible = (self._dup(t) for t in (seq, order, positions, visible.to(self.device)))
+        if uniform:
             return self.model.context(seq, order, self.row_labels, positions, visible[:, 0])
         return torch.cat([self.model.context(seq, order, self.row_labels, positions[:, j : j + 1], visible[:, j])
                           for j in range(positions.shape[1])], dim=1)
 
     def context(
-        self, seq: torch.Tensor, order: torch.Tensor, upto: torch.Tensor, query_index: torch.Tensor, visible: torch.Tensor
+        self, seq: torch.Tensor, order: torch.Tensor, upto: torch.Tensor, positions: torch.Tensor, visible: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """One forward: append seq[:, cached:upto] as content, then z for generation indices ``query_index [B, m]``.
+        """One forward: append seq[:, cached:upto] as content, then z for spatial ``positions [B, m]``.
 
-        ``visible [B, m]``: how many generated tokens each query sees.
+        ``upto [B]`` and ``visible [B, m]`` (how many generated tokens each query sees) are host tensors.
         """
         if self.masked:
-            z = self._masked_context(seq, order, query_index, visible)
+            z = self._masked_context(seq, order, positions, visible)
             return (z, None) if not self.use_cfg else (z[: self.batch], z[self.batch :])
-        have = self.cached_tokens()
-        need = (upto - have).clamp(min=0)
+        need = (upto - self.cached).clamp(min=0)
         n_app = int(need.max())
         if n_app > 0:
-            idx = (have[:, None] + torch.arange(n_app, device=seq.device)).clamp(max=seq.shape[1] - 1)
+            idx = (self.cached[:, None] + torch.arange(n_app)).clamp(max=seq.shape[1] - 1).to(self.device)
             tokens = torch.gather(seq, 1, idx[..., None].expand(-1, -1, seq.shape[-1]))
-            positions = torch.gather(order, 1, idx)
-            self.model.append_tokens(self.cache, self._dup(tokens), self._dup(positions), self._dup(need))
-        positions = torch.gather(order, 1, query_index.clamp(max=order.shape[1] - 1))
-        z = self.model.query(self.cache, self._dup(positions), self._dup(visible + 1))
+            self.model.append_tokens(self.cache, self._dup(tokens), self._dup(torch.gather(order, 1, idx)),
+                                     self._dup(need.to(self.device)))
+            self.cached = self.cached + need
+        z = self.model.query(self.cache, self._dup(positions), self._dup(visible.to(self.device) + 1))
         if not self.use_cfg:
             return z, None
         return z[: self.batch], z[self.batch :]
@@ -181,16 +211,33 @@ class _Setup:
     num_tokens: int
     dim: int
 
+    def __post_init__(self) -> None:
+        # The loops read noise by generation step: one gather here instead of one per step.
+        self.target_steps = self.noise_target.in_order(self.order)
+        aligned = self.noise_draft is self.noise_target
+        self.draft_steps = self.target_steps if aligned else self.noise_draft.in_order(self.order)
+
     @property
     def clip(self) -> float | None:
         return 1.0 if self.params.clip_denoised else None
+
+    def chain(self, side: ModelSide, z: tuple[torch.Tensor, torch.Tensor | None], w: torch.Tensor,
+              noise: tuple[torch.Tensor, torch.Tensor]) -> ChainOutput:
+        p = self.params
+        return head_chain(side, self.schedule, z, w, *noise, p.temperature, p.final_step_noise, self.clip)
+
+
+@functools.lru_cache(maxsize=8)
+def _cosine_schedule(train_steps: int, sample_steps: int) -> DiffusionSchedule:
+    """The head's sampling schedule, built once per step counts (in Python, milliseconds) and only read."""
+    return DiffusionSchedule.cosine(train_steps, sample_steps)
 
 
 def _setup(params: Common, pair: ModelPair, sample_ids: torch.Tensor, seed: int) -> _Setup:
     target: ContinuousAR = pair.target
     cfgm = target.config
     steps = params.sample_steps or cfgm.diffusion_sample_steps
-    schedule = DiffusionSchedule.cosine(cfgm.diffusion_train_steps, steps)
+    schedule = _cosine_schedule(cfgm.diffusion_train_steps, steps)
     L, d = cfgm.num_tokens, cfgm.token_dim
     order = generation_order(params.order, seed, sample_ids, L)
     noise_t = ChainNoise.draw(seed, sample_ids, L, schedule.num_steps, d)
@@ -214,11 +261,11 @@ def _images(seq: torch.Tensor, order: torch.Tensor, decode=None) -> torch.Tensor
     return tokens_to_uint8(spatial) if decode is None else decode(spatial)
 
 
-def _step_slots(s: _Setup, gen_index: torch.Tensor, noise: ChainNoise) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Noise and cfg scale for generation indices ``[B, m]``."""
-    positions = torch.gather(s.order, 1, gen_index.clamp(max=s.num_tokens - 1))
-    x_T, eps = noise.take(positions)
-    return x_T, eps, s.w[gen_index.clamp(max=s.num_tokens - 1)]
+def _step_all_rows(s: _Setup, side: ModelSide, seq: torch.Tensor, k: int, noise: ChainNoise) -> ChainOutput:
+    """One model step of every row at generation step ``k``, seeing the k tokens before it."""
+    b = seq.shape[0]
+    z = side.context(seq, s.order, torch.full((b,), k), s.order[:, k : k + 1], torch.full((b, 1), k))
+    return s.chain(side, z, s.w[k : k + 1].expand(b, 1), noise.steps(k, k + 1))
 
 
 def _run_target_only(s: _Setup, pair: ModelPair, labels: torch.Tensor) -> tuple[torch.Tensor, list[SampleStats]]:
@@ -226,217 +273,250 @@ def _run_target_only(s: _Setup, pair: ModelPair, labels: torch.Tensor) -> tuple[
     tgt = ModelSide(pair.target, labels, s.params.cfg != 1.0, extra_slots=_cache_slack(1, L))
     seq = torch.zeros(b, L, s.dim, device=labels.device)
     for k in range(L):
-        idx = torch.full((b, 1), k, dtype=torch.int64, device=labels.device)
-        z = tgt.context(seq, s.order, idx[:, 0], idx, idx)
-        x_T, eps, w = _step_slots(s, idx, s.noise_target)
-        out = head_chain(tgt, s.schedule, z, w, x_T, eps, s.params.temperature, s.params.final_step_noise, s.clip)
-        seq[:, k] = out.x0.reshape(b, s.dim)
+        seq[:, k] = _step_all_rows(s, tgt, seq, k, s.target_steps).x0.reshape(b, s.dim)
     stats = [SampleStats(num_tokens=L, target_calls=L) for _ in range(b)]
     return seq, stats
 
 
-@dataclass
-class _CspdExtras:
-    """CSpD's own per-row numbers beside the shared round tally: resampling and the log-ratio terms."""
+class _VerifyLog:
+    """CSpD's own per-row numbers beside the shared round tally, kept on the device per (row, generation
+    step) and read once at the end: the log-ratio terms of every counted decision, and resampling."""
 
-    batch: int
+    TERMS = ("log_ratio", "log_factor", "final_term")
 
-    def __post_init__(self) -> None:
-        z = lambda dtype=torch.int64: torch.zeros(self.batch, dtype=dtype)  # noqa: E731
-        self.resampled, self.tries, self.cap_hits, self.verified = z(), z(), z(), z()
-        self.sum_log_ratio, self.sum_log_factor, self.sum_final = z(torch.float64), z(torch.float64), z(torch.float64)
+    def __init__(self, batch: int, num_tokens: int, device: torch.device) -> None:
+        self.terms = torch.zeros(len(self.TERMS), batch, num_tokens, dtype=torch.float64, device=device)
+        self.counted = torch.zeros(batch, num_tokens, dtype=torch.bool, device=device)
+        self.resampled = torch.zeros(batch, num_tokens, dtype=torch.bool, device=device)
+        self.tries = torch.zeros(batch, num_tokens, dtype=torch.int64, device=device)
+        self.cap_hit = torch.zeros(batch, num_tokens, dtype=torch.bool, device=device)
+
+    def window(self, first: int, ratio: LogRatio) -> None:
+        """Every decision of a window of generation steps ``first ..`` (one per row and slot) counts."""
+        b = self.counted.shape[0]
+        m = ratio.log_ratio.shape[0] // b
+        self.terms[:, :, first : first + m] = torch.stack([getattr(ratio, t) for t in self.TERMS]).reshape(-1, b, m)
+        self.counted[:, first : first + m] = True
+
+    def decisions(self, rows: torch.Tensor, slots: torch.Tensor, steps: torch.Tensor, ratio: LogRatio,
+                  window: int) -> None:
+        """The counted decisions: slot ``slots[i]`` of row ``rows[i]``, at generation step ``steps[i]``."""
+        flat = rows * window + slots
+        self.terms[:, rows, steps] = torch.stack([getattr(ratio, t)[flat] for t in self.TERMS])
+        self.counted[rows, steps] = True
+
+    def resample(self, rows: torch.Tensor, steps: torch.Tensor, res: ResidualResult) -> None:
+        self.resampled[rows, steps] = True
+        self.tries[rows, steps] = res.tries
+        self.cap_hit[rows, steps] = res.cap_hit
 
     def rows(self) -> list[dict[str, Any]]:
+        """Per-row means; each log-ratio sum adds the decisions in generation order (the order they were made)."""
+        terms, counted = self.terms.cpu().tolist(), self.counted.cpu().tolist()
+        resampled, tries, caps = (t.sum(1).tolist() for t in (self.resampled, self.tries, self.cap_hit))
         out = []
-        for i in range(self.batch):
-            nv = max(int(self.verified[i]), 1)
-            nr = int(self.resampled[i])
+        for i, row_counted in enumerate(counted):
+            sums = [0.0] * len(self.TERMS)
+            for j, c in enumerate(row_counted):
+                if c:
+                    for t in range(len(self.TERMS)):
+                        sums[t] += terms[t][i][j]
+            nv, nr = max(sum(row_counted), 1), int(resampled[i])
             out.append({
-                "mean_resample_tries": float(self.tries[i]) / nr if nr else 0.0,
-                "resample_cap_hits": int(self.cap_hits[i]),
+                "mean_resample_tries": float(tries[i]) / nr if nr else 0.0,
+                "resample_cap_hits": int(caps[i]),
                 "resampled_tokens": nr,
-                "mean_log_ratio": float(self.sum_log_ratio[i]) / nv,
-                "mean_log_sigma_factor": float(self.sum_log_factor[i]) / nv,
-                "mean_final_step_term": float(self.sum_final[i]) / nv,
+                "mean_log_ratio": sums[0] / nv,
+                "mean_log_sigma_factor": sums[1] / nv,
+                "mean_final_step_term": sums[2] / nv,
             })
         return out
 
 
-def _verify_slots(
-    s: _Setup, tgt: ModelSide, seq: torch.Tensor, labels: torch.Tensor, sample_ids: torch.Tensor, seed: int,
-    n_verified: torch.Tensor, gen_index: torch.Tensor, visible: torch.Tensor, q: dict[str, torch.Tensor],
-) -> tuple[ChainOutput, Any, torch.Tensor, torch.Tensor]:
-    """One target forward over slots ``gen_index [B, m]``; returns target chain, ratio, decisions, positions."""
-    p = s.params
-    b, m = gen_index.shape
-    z = tgt.context(seq, s.order, n_verified, gen_index, visible)
-    x_T, eps, w = _step_slots(s, gen_index, s.noise_target)
-    pch = head_chain(tgt, s.schedule, z, w, x_T, eps, p.temperature, p.final_step_noise, s.clip)
-    qi = gen_index.clamp(max=s.num_tokens - 1)
-    gather = lambda t: torch.gather(t, 1, qi[..., None].expand(-1, -1, t.shape[-1])).reshape(b * m, -1) if t.dim() == 3 \
-        else torch.gather(t, 1, qi).reshape(b * m)  # noqa: E731
-    ratio = log_acceptance_ratio(
-        gather(seq), pch.mu1, pch.s1, pch.slog, gather(q["mu1"]), gather(q["s1"]), gather(q["slog"]),
-        p.sigma_orientation, p.kappa,
-    )
-    positions = torch.gather(s.order, 1, qi)
-    sids = sample_ids[:, None].expand(b, m).reshape(-1)
-    u = rng.uniform(seed, sids, "accept", positions.reshape(-1))
-    acc = accept(ratio.log_ratio, u).reshape(b, m)
-    return pch, ratio, acc, positions
+@dataclass
+class _Verified:
+    """A verify forward's outcome over its B·m slots (flattened row-major)."""
+
+    chain: ChainOutput  # the target's chain per slot
+    ratio: LogRatio
+    q_mu1: torch.Tensor  # the draft's final-step Gaussian per slot, for the residual
+    q_s1: torch.Tensor
+    positions: torch.Tensor  # [B·m] spatial position per slot
+    accepted: torch.Tensor  # bool [B, m] on the host: the round's one device-to-host transfer
 
 
-def _resample(
-    s: _Setup, pch: ChainOutput, q: dict[str, torch.Tensor], flat_slots: torch.Tensor,
-    log_factor: torch.Tensor, sample_ids_flat: torch.Tensor, positions_flat: torch.Tensor, seed: int,
-):
-    """Residual samples for flat slot indices (into the B·m verification slots)."""
-    b_rows = flat_slots  # indices into flattened [B·m]
-    qmu = q["mu1_flat"][b_rows]
-    qs = q["s1_flat"][b_rows]
-    draw = keyed_draws(seed, sample_ids_flat[b_rows], positions_flat[b_rows], s.dim)
-    return residual_sample(
-        pch.mu1[b_rows].double(), pch.s1[b_rows].double(), qmu.double(), qs.double(), log_factor[b_rows], draw,
-        s.params.max_tries,
-    )
+class _Cspd:
+    """One batch's CSpD state: the shared sequence, the draft's final-step Gaussians per generation
+    step, both models' caches, and the tallies."""
 
+    def __init__(self, s: _Setup, pair: ModelPair, labels: torch.Tensor, sample_ids: torch.Tensor, seed: int) -> None:
+        p: CSpD = s.params  # type: ignore[assignment]
+        self.s, self.p, self.seed, self.sample_ids = s, p, seed, sample_ids
+        self.b, self.L, self.d, self.gamma = labels.shape[0], s.num_tokens, s.dim, p.gamma
+        dev = labels.device
+        use_cfg = p.cfg != 1.0
+        self.tgt = ModelSide(pair.target, labels, use_cfg, extra_slots=_cache_slack(p.gamma, self.L))
+        self.dft = ModelSide(pair.draft, labels, use_cfg, extra_slots=_cache_slack(p.gamma, self.L))
+        self.seq = torch.zeros(self.b, self.L, self.d, device=dev)
+        self.q_mu1 = torch.zeros(self.b, self.L, self.d, device=dev)
+        self.q_s1 = torch.ones(self.b, self.L, self.d, device=dev)
+        self.q_slog = torch.zeros(self.b, self.L, dtype=torch.float64, device=dev)
+        # acceptance uniforms keyed by (sample, position), and the residual's first block of tries,
+        # drawn once and read by generation step
+        self.u_accept = rng.uniform(seed, sample_ids[:, None], "accept", s.order)
+        self.first_tries = KeyedDraws.ahead(seed, sample_ids, s.order, self.d, FIRST_BLOCK)
+        self.tally = RoundTally(self.b, self.gamma, self.L)  # on the host: its inputs are host masks
+        self.log = _VerifyLog(self.b, self.L, dev)
 
-def _run_cspd(s: _Setup, pair: ModelPair, labels: torch.Tensor, sample_ids: torch.Tensor, seed: int):
-    p = s.params
-    b, L, d, gamma = labels.shape[0], s.num_tokens, s.dim, p.gamma
-    dev = labels.device
-    use_cfg = p.cfg != 1.0
-    tgt = ModelSide(pair.target, labels, use_cfg, extra_slots=_cache_slack(gamma, L))
-    dft = ModelSide(pair.draft, labels, use_cfg, extra_slots=_cache_slack(gamma, L))
-    seq = torch.zeros(b, L, d, device=dev)
-    q = {"mu1": torch.zeros(b, L, d, device=dev), "s1": torch.ones(b, L, d, device=dev),
-         "slog": torch.zeros(b, L, dtype=torch.float64, device=dev)}
-    tally = RoundTally(b, gamma, L, dev)
-    extras = _CspdExtras(b)
-    tau = p.temperature
+    # -- model steps --------------------------------------------------------------------------------
+    def target_step(self, k: int) -> None:
+        self.seq[:, k] = _step_all_rows(self.s, self.tgt, self.seq, k, self.s.target_steps).x0.reshape(self.b, self.d)
+        self.tally.add_calls(None, target=1)
 
-    def target_step(k: int) -> None:
-        idx = torch.full((b, 1), k, dtype=torch.int64, device=dev)
-        z = tgt.context(seq, s.order, idx[:, 0], idx, idx)
-        x_T, eps, w = _step_slots(s, idx, s.noise_target)
-        seq[:, k] = head_chain(tgt, s.schedule, z, w, x_T, eps, tau, p.final_step_noise, s.clip).x0.reshape(b, d)
-        tally.add_calls(None, target=1)
+    def draft_step(self, k: int) -> None:
+        """Draft generation step ``k`` on every row."""
+        out = _step_all_rows(self.s, self.dft, self.seq, k, self.s.draft_steps)
+        self.seq[:, k], self.q_mu1[:, k] = out.x0.reshape(self.b, self.d), out.mu1.reshape(self.b, self.d)
+        self.q_s1[:, k], self.q_slog[:, k] = out.s1.reshape(self.b, self.d), out.slog.reshape(self.b)
+        self.tally.add_calls(None, draft=1)
 
-    def draft_step(gen_index: torch.Tensor, valid: torch.Tensor) -> None:
-        """Draft the token at generation index ``gen_index [B]`` for rows where ``valid``."""
-        idx = gen_index[:, None]
-        z = dft.context(seq, s.order, gen_index.clamp(max=L), idx, idx)
-        x_T, eps, w = _step_slots(s, idx, s.noise_draft)
-        out = head_chain(dft, s.schedule, z, w, x_T, eps, tau, p.final_step_noise, s.clip)
+    def draft_rows(self, steps: torch.Tensor, valid: torch.Tensor) -> None:
+        """Draft generation step ``steps [B]`` (host, < L) of each row; only rows ``valid`` keep theirs."""
+        s, b = self.s, self.b
+        idx = steps[:, None].to(self.seq.device)
+        z = self.dft.context(self.seq, s.order, steps, torch.gather(s.order, 1, idx), steps[:, None])
+        out = s.chain(self.dft, z, s.w[idx], s.draft_steps.at(idx))
         rows = torch.nonzero(valid).squeeze(-1)
-        gi = gen_index[rows]
-        seq[rows, gi] = out.x0.reshape(b, d)[rows]
-        q["mu1"][rows, gi] = out.mu1.reshape(b, d)[rows]
-        q["s1"][rows, gi] = out.s1.reshape(b, d)[rows]
-        q["slog"][rows, gi] = out.slog.reshape(b)[rows]
-        tally.add_calls(None, draft=valid.to(torch.int64))
+        at = (rows.to(self.seq.device), steps[rows].to(self.seq.device))
+        self.seq[at] = out.x0.reshape(b, self.d)[at[0]]
+        self.q_mu1[at] = out.mu1.reshape(b, self.d)[at[0]]
+        self.q_s1[at] = out.s1.reshape(b, self.d)[at[0]]
+        self.q_slog[at] = out.slog.reshape(b)[at[0]]
+        self.tally.add_calls(None, draft=valid.to(torch.int64))
 
-    def flat_q(gen_index: torch.Tensor) -> None:
-        qi = gen_index.clamp(max=L - 1)
-        q["mu1_flat"] = torch.gather(q["mu1"], 1, qi[..., None].expand(-1, -1, d)).reshape(-1, d)
-        q["s1_flat"] = torch.gather(q["s1"], 1, qi[..., None].expand(-1, -1, d)).reshape(-1, d)
+    # -- verification -------------------------------------------------------------------------------
+    def _decide(self, z: tuple[torch.Tensor, torch.Tensor | None], w: torch.Tensor, noise: tuple, x0: torch.Tensor,
+                q_mu1: torch.Tensor, q_s1: torch.Tensor, q_slog: torch.Tensor, u: torch.Tensor,
+                positions: torch.Tensor) -> _Verified:
+        """The target's chains on the ``[B, m]`` slots, the acceptance ratios and decisions (slots flattened)."""
+        p, flat = self.p, lambda t: t.reshape(-1, self.d)  # noqa: E731
+        pch = self.s.chain(self.tgt, z, w, noise)
+        q_mu1, q_s1 = flat(q_mu1), flat(q_s1)
+        ratio = log_acceptance_ratio(flat(x0), pch.mu1, pch.s1, pch.slog, q_mu1, q_s1, q_slog.reshape(-1),
+                                     p.sigma_orientation, p.kappa)
+        acc = accept(ratio.log_ratio, u.reshape(-1)).reshape(u.shape)
+        return _Verified(pch, ratio, q_mu1, q_s1, positions.reshape(-1), acc.cpu())
 
-    def record(ratio, acc_flat: torch.Tensor, counted: torch.Tensor) -> None:
-        m = counted.shape[1]
-        cnt = counted.reshape(-1).cpu()
-        rows = torch.arange(b)[:, None].expand(b, m).reshape(-1)[cnt]
-        extras.sum_log_ratio.index_add_(0, rows, ratio.log_ratio.cpu()[cnt])
-        extras.sum_log_factor.index_add_(0, rows, ratio.log_factor.cpu()[cnt])
-        extras.sum_final.index_add_(0, rows, ratio.final_term.cpu()[cnt])
-        extras.verified += counted.sum(1).cpu()
+    def verify_window(self, first: int, stop: int) -> _Verified:
+        """Verify generation steps ``first .. stop-1`` of every row, the window masked for the target."""
+        s, b, m = self.s, self.b, stop - first
+        visible = torch.full((b, m), first)
+        z = self.tgt.context(self.seq, s.order, torch.full((b,), first), s.order[:, first:stop], visible)
+        window = slice(first, stop)
+        return self._decide(z, s.w[window].expand(b, m), s.target_steps.steps(first, stop), self.seq[:, window],
+                            self.q_mu1[:, window], self.q_s1[:, window], self.q_slog[:, window],
+                            self.u_accept[:, window], s.order[:, window])
 
-    def add_resample(res, rows: torch.Tensor) -> None:
-        ones = torch.ones_like(rows)
-        extras.resampled.index_add_(0, rows.cpu(), ones.cpu())
-        extras.tries.index_add_(0, rows.cpu(), res.tries.cpu())
-        extras.cap_hits.index_add_(0, rows.cpu(), res.cap_hit.to(torch.int64).cpu())
+    def verify_slots(self, steps: torch.Tensor, upto: torch.Tensor, visible: torch.Tensor) -> _Verified:
+        """Verify generation steps ``steps [B, m]`` (host; clamped to L - 1 past the end), appending up to ``upto``."""
+        s = self.s
+        idx = steps.clamp(max=self.L - 1).to(self.seq.device)
+        positions = torch.gather(s.order, 1, idx)
+        z = self.tgt.context(self.seq, s.order, upto, positions, visible)
+        def gather(t: torch.Tensor) -> torch.Tensor:
+            return torch.gather(t, 1, idx[..., None].expand(-1, -1, t.shape[-1]) if t.dim() == 3 else idx)
 
-    prefill_steps = [k for k in range(L) if k <= p.prefill_ratio * L]
-    for k in prefill_steps:
-        target_step(k)
-    n_pre = len(prefill_steps)
+        return self._decide(z, s.w[idx], s.target_steps.at(idx), gather(self.seq), gather(self.q_mu1),
+                            gather(self.q_s1), gather(self.q_slog), gather(self.u_accept), positions)
 
-    if p.window == "mar":
-        verified = n_pre
-        for k in range(n_pre, L):
-            draft_step(torch.full((b,), k, dtype=torch.int64, device=dev), torch.ones(b, dtype=torch.bool, device=dev))
-            if not (k % gamma == 0 or k == L - 1):
+    def resample(self, v: _Verified, slots: torch.Tensor, rows: torch.Tensor, steps: torch.Tensor) -> None:
+        """Replace the tokens at flat verify slots ``slots`` (rows ``rows``, generation steps ``steps``) by
+        residual samples."""
+        slots = slots.to(self.seq.device)
+        rows, steps = rows.to(self.seq.device), steps.to(self.seq.device)
+        first_tries = (self.first_tries[0][rows, steps], self.first_tries[1][rows, steps])
+        draw = KeyedDraws(self.seed, self.sample_ids[rows], v.positions[slots], self.d, first_tries=first_tries)
+        res = residual_sample(v.chain.mu1[slots].double(), v.chain.s1[slots].double(), v.q_mu1[slots].double(),
+                              v.q_s1[slots].double(), v.ratio.log_factor[slots], draw, self.p.max_tries)
+        self.seq[rows, steps] = res.x.to(self.seq.dtype)
+        self.log.resample(rows, steps, res)
+
+    # -- the two window schemes ---------------------------------------------------------------------
+    def mar_windows(self, first: int) -> None:
+        """Draft every step, verify at every γ-th step (and the last): all decisions independent."""
+        verified = first
+        for k in range(first, self.L):
+            self.draft_step(k)
+            if not (k % self.gamma == 0 or k == self.L - 1):
                 continue
-            gen_index = torch.arange(verified, k + 1, device=dev).expand(b, -1)
-            m = gen_index.shape[1]
-            visible = torch.full_like(gen_index, verified)  # the window stays masked for the target
-            pch, ratio, acc, positions = _verify_slots(
-                s, tgt, seq, labels, sample_ids, seed, torch.full((b,), verified, device=dev), gen_index, visible, q
-            )
-            flat_q(gen_index)
-            record(ratio, acc, torch.ones_like(acc))
-            rej = torch.nonzero(~acc.reshape(-1)).squeeze(-1)
+            v = self.verify_window(verified, k + 1)
+            self.log.window(verified, v.ratio)
+            rejected = ~v.accepted
+            rej = torch.nonzero(rejected.reshape(-1)).squeeze(-1)
             if rej.numel():
-                sids = sample_ids[:, None].expand(b, m).reshape(-1)
-                res = _resample(s, pch, q, rej, ratio.log_factor, sids, positions.reshape(-1), seed)
-                seq.view(b * L, d)[(torch.arange(b, device=dev)[:, None] * L + gen_index).reshape(-1)[rej]] = res.x.to(seq.dtype)
-                add_resample(res, rej // m)
-                first_rej = torch.where(acc.all(1), torch.full((b,), k + 1, device=dev), verified + (~acc).int().argmax(1))
-                dft.truncate(torch.minimum(dft.cached_tokens(), first_rej))
-            tally.observe(None, gen_index, torch.ones_like(acc), acc)  # the window is generation steps verified .. k
-            tally.add_calls(None, target=1)
+                m = k + 1 - verified
+                self.resample(v, rej, rej // m, verified + rej % m)
+                first_rejected = torch.where(v.accepted.all(1), k + 1, verified + rejected.to(torch.int8).argmax(1))
+                self.dft.truncate(first_rejected)
+            steps = torch.arange(verified, k + 1).expand(self.b, -1)  # the window is generation steps verified .. k
+            self.tally.observe(None, steps, torch.ones_like(v.accepted), v.accepted)
+            self.tally.add_calls(None, target=1)
             verified = k + 1
-        return seq, tally.to_stats(L, extra=extras.rows())
 
-    # sequential (LLM-style) windows: per-row cursor n
-    n = torch.full((b,), n_pre, dtype=torch.int64, device=dev)
-    while bool((n < L).any()):
-        active = n < L
-        m_valid = torch.clamp(L - n, max=gamma) * active
-        for j in range(gamma):
-            gi = n + j
-            valid = active & (gi < L)
-            if not bool(valid.any()):
-                break
-            draft_step(gi.clamp(max=L - 1), valid)
-        gen_index = n[:, None] + torch.arange(gamma + 1, device=dev)  # window slots + bonus slot
-        visible = gen_index.clamp(max=L)
-        tgt.truncate(torch.minimum(tgt.cached_tokens(), n))
-        upto = (n + gamma).clamp(max=L)
-        pch, ratio, acc, positions = _verify_slots(s, tgt, seq, labels, sample_ids, seed, upto, gen_index, visible, q)
-        flat_q(gen_index)
-        slot = torch.arange(gamma + 1, device=dev)[None, :]
-        in_window = slot < m_valid[:, None]
-        acc_w = acc & in_window
-        # accepted prefix length a: first slot that is in the window and rejected
-        rejected = in_window & ~acc
-        a = torch.where(rejected.any(1), rejected.int().argmax(1), m_valid)
-        counted = slot <= a[:, None]
-        counted &= in_window
-        record(ratio, acc_w, counted)
-        rows_rej = torch.nonzero(rejected.any(1) & active).squeeze(-1)
-        if rows_rej.numel():
-            flat_slot = rows_rej * (gamma + 1) + a[rows_rej]
-            sids = sample_ids[:, None].expand(b, gamma + 1).reshape(-1)
-            res = _resample(s, pch, q, flat_slot, ratio.log_factor, sids, positions.reshape(-1), seed)
-            seq[rows_rej, n[rows_rej] + a[rows_rej]] = res.x.to(seq.dtype)
-            add_resample(res, rows_rej)
-        # bonus: all γ drafts accepted and room left -> the target's own sample at slot γ
-        bonus = active & ~rejected.any(1) & (m_valid == gamma) & (n + gamma < L)
-        rows_b = torch.nonzero(bonus).squeeze(-1)
-        if rows_b.numel():
-            seq[rows_b, n[rows_b] + gamma] = pch.x0.reshape(b, gamma + 1, d)[rows_b, gamma].to(seq.dtype)
-        emitted = torch.where(rejected.any(1) | bonus, a + 1, a) * active
-        # window slot j is generation step n + j; slots at or past m_valid were not drafted
-        rows = torch.nonzero(active).squeeze(-1)
-        window_steps = n[rows, None] + slot[:, :gamma]
-        tally.observe(rows, window_steps, (slot[:, :gamma] < m_valid[rows, None]), (slot[:, :gamma] < a[rows, None]))
-        tally.add_calls(rows, target=1)
-        # caches: accepted drafts stay valid as content; everything after them is stale
-        tgt.truncate(torch.minimum(tgt.cached_tokens(), n + a))
-        dft.truncate(torch.minimum(dft.cached_tokens(), n + a))
-        n = n + emitted
-    return seq, tally.to_stats(L, extra=extras.rows())
+    def sequential_windows(self, first: int) -> None:
+        """LLM-style: per-row cursor n; accept a prefix, resample the first rejection, bonus when all pass."""
+        L, gamma = self.L, self.gamma
+        n = torch.full((self.b,), first, dtype=torch.int64)  # host
+        slot = torch.arange(gamma + 1)[None, :]
+        while bool((n < L).any()):
+            active = n < L
+            m_valid = torch.clamp(L - n, max=gamma) * active
+            for j in range(gamma):
+                valid = active & (n + j < L)
+                if not bool(valid.any()):
+                    break
+                self.draft_rows((n + j).clamp(max=L - 1), valid)
+            steps = n[:, None] + slot  # window slots + bonus slot
+            self.tgt.truncate(n)
+            v = self.verify_slots(steps, (n + gamma).clamp(max=L), steps.clamp(max=L))
+            in_window = slot < m_valid[:, None]
+            rejected = in_window & ~v.accepted
+            any_rejected = rejected.any(1)
+            a = torch.where(any_rejected, rejected.to(torch.int8).argmax(1), m_valid)  # accepted prefix length
+            counted = torch.nonzero((slot <= a[:, None]) & in_window)
+            c_rows, c_slots = counted[:, 0], counted[:, 1]
+            dev = self.seq.device
+            self.log.decisions(c_rows.to(dev), c_slots.to(dev), (n[c_rows] + c_slots).to(dev), v.ratio, gamma + 1)
+            rows_rej = torch.nonzero(any_rejected & active).squeeze(-1)
+            if rows_rej.numel():
+                self.resample(v, rows_rej * (gamma + 1) + a[rows_rej], rows_rej, n[rows_rej] + a[rows_rej])
+            # bonus: all γ drafts accepted and room left -> the target's own sample at slot γ
+            bonus = active & ~any_rejected & (m_valid == gamma) & (n + gamma < L)
+            rows_b = torch.nonzero(bonus).squeeze(-1)
+            if rows_b.numel():
+                at = rows_b.to(dev)
+                bonus_x0 = v.chain.x0.reshape(self.b, gamma + 1, self.d)[at, gamma]
+                self.seq[at, (n[rows_b] + gamma).to(dev)] = bonus_x0.to(self.seq.dtype)
+            emitted = torch.where(any_rejected | bonus, a + 1, a) * active
+            # window slot j is generation step n + j; slots at or past m_valid were not drafted
+            rows = torch.nonzero(active).squeeze(-1)
+            window = slot[:, :gamma]
+            self.tally.observe(rows, n[rows, None] + window, window < m_valid[rows, None], window < a[rows, None])
+            self.tally.add_calls(rows, target=1)
+            # caches: accepted drafts stay valid as content; everything after them is stale
+            self.tgt.truncate(n + a)
+            self.dft.truncate(n + a)
+            n = n + emitted
+
+    def run(self) -> tuple[torch.Tensor, list[SampleStats]]:
+        prefill_steps = [k for k in range(self.L) if k <= self.p.prefill_ratio * self.L]
+        for k in prefill_steps:
+            self.target_step(k)
+        if self.p.window == "mar":
+            self.mar_windows(len(prefill_steps))
+        else:
+            self.sequential_windows(len(prefill_steps))
+        return self.seq, self.tally.to_stats(self.L, extra=self.log.rows())
 
 
 @torch.no_grad()
@@ -452,7 +532,7 @@ def run_batch(method: str | Method, params: Any, pair: ModelPair, labels: torch.
     sample_ids = sample_ids.to(dev, torch.int64)
     s = _setup(params, pair, sample_ids, seed)
     if isinstance(params, CSpD):
-        seq, stats = _run_cspd(s, pair, labels, sample_ids, seed)
+        seq, stats = _Cspd(s, pair, labels, sample_ids, seed).run()
     else:
         seq, stats = _run_target_only(s, pair, labels)
     return GenerationResult(images=_images(seq, s.order, pair.info.get("image_decoder")), stats=stats)

@@ -119,7 +119,14 @@ def residual_sample(
     draw: DrawFn,
     max_tries: int | None = 100,
 ) -> ResidualResult:
-    """Acceptance-rejection sampling of ∝ max(0, C·p_1 − q_1) with proposal p_1 (bound M = 1/Z)."""
+    """Acceptance-rejection sampling of ∝ max(0, C·p_1 − q_1) with proposal p_1 (bound M = 1/Z).
+
+    A ``draw`` that can draw several tries at once (:class:`KeyedDraws`) is asked for growing blocks
+    of tries, each row keeping its first kept proposal: the same result as one try at a time (its
+    draws are keyed by try), with a handful of passes instead of one per try.
+    """
+    if isinstance(draw, KeyedDraws):
+        return _residual_sample_blocks(p_mu1, p_s1, q_mu1, q_s1, log_factor, draw, max_tries)
     n, d = p_mu1.shape
     device = p_mu1.device
     out = p_mu1.clone()
@@ -141,16 +148,81 @@ def residual_sample(
     return ResidualResult(x=out, tries=tries, cap_hit=~done)
 
 
-def keyed_draws(seed: int, sample_ids: torch.Tensor, positions: torch.Tensor, dim: int, stream: str = "residual") -> DrawFn:
-    """Residual proposals keyed by (seed, sample_id, stream, position, try): batch-independent."""
+class KeyedDraws:
+    """Residual proposals keyed by (seed, sample_id, stream, position, try): batch-independent.
 
-    def draw(attempt: int, active: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        sids, pos = sample_ids[active], positions[active]
-        normals = rng.normal(seed, sids, stream, pos, attempt, shape=(dim,), dtype=torch.float64)
-        uniforms = rng.uniform(seed, sids, stream + "/keep", pos, attempt)
+    A :data:`DrawFn` (one try for rows ``active``), and :meth:`block` draws tries
+    ``first .. first + count - 1`` at once (the same numbers: each is a function of its key).
+    ``first_tries``: the first tries of every row, drawn ahead (:meth:`ahead`), which
+    :meth:`block` serves instead of drawing them again.
+    """
+
+    def __init__(self, seed: int, sample_ids: torch.Tensor, positions: torch.Tensor, dim: int,
+                 stream: str = "residual", first_tries: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+        self.seed, self.sample_ids, self.positions, self.dim, self.stream = seed, sample_ids, positions, dim, stream
+        self.first_tries = first_tries
+
+    @classmethod
+    def ahead(cls, seed: int, sample_ids: torch.Tensor, positions: torch.Tensor, dim: int, tries: int,
+              stream: str = "residual") -> tuple[torch.Tensor, torch.Tensor]:
+        """Tries ``0 .. tries-1`` at ``positions [B, L]`` of samples ``sample_ids [B]``: normals
+        ``[B, L, tries, d]`` and uniforms ``[B, L, tries]``, drawn in one pass."""
+        attempts = torch.arange(tries, device=sample_ids.device)[None, None, :]
+        draws = cls(seed, sample_ids, positions, dim, stream)
+        return draws._draw(sample_ids[:, None, None], positions[..., None], attempts)
+
+    def __call__(self, attempt: int, active: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._draw(self.sample_ids[active], self.positions[active], attempt)
+
+    def block(self, first: int, count: int, active: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Normals ``[len(active), count, d]`` and uniforms ``[len(active), count]`` of tries first.. ."""
+        if self.first_tries is not None and first + count <= self.first_tries[1].shape[1]:
+            normals, uniforms = self.first_tries
+            return normals[active, first : first + count], uniforms[active, first : first + count]
+        attempts = torch.arange(first, first + count, device=self.sample_ids.device)[None, :]
+        return self._draw(self.sample_ids[active, None], self.positions[active, None], attempts)
+
+    def _draw(self, sids: torch.Tensor, pos: torch.Tensor, attempt: torch.Tensor | int) -> tuple[torch.Tensor, torch.Tensor]:
+        normals = rng.normal(self.seed, sids, self.stream, pos, attempt, shape=(self.dim,), dtype=torch.float64)
+        uniforms = rng.uniform(self.seed, sids, self.stream + "/keep", pos, attempt)
         return normals, uniforms
 
-    return draw
+
+def keyed_draws(seed: int, sample_ids: torch.Tensor, positions: torch.Tensor, dim: int, stream: str = "residual") -> KeyedDraws:
+    """Residual proposals keyed by (seed, sample_id, stream, position, try): batch-independent."""
+    return KeyedDraws(seed, sample_ids, positions, dim, stream)
+
+
+FIRST_BLOCK, MAX_BLOCK = 4, 256  # tries per pass of the block sampler: 4, 8, 16, ... (most rows keep an early try)
+
+
+def _residual_sample_blocks(
+    p_mu1: torch.Tensor, p_s1: torch.Tensor, q_mu1: torch.Tensor, q_s1: torch.Tensor, log_factor: torch.Tensor,
+    draw: KeyedDraws, max_tries: int | None,
+) -> ResidualResult:
+    """:func:`residual_sample` with keyed draws, a growing block of tries per pass for the rows still open."""
+    n = p_mu1.shape[0]
+    device = p_mu1.device
+    out = p_mu1.clone()
+    tries = torch.zeros(n, dtype=torch.int64, device=device)
+    kept_any = torch.zeros(n, dtype=torch.bool, device=device)
+    active = torch.arange(n, device=device)
+    first, size = 0, FIRST_BLOCK
+    while active.numel() and (max_tries is None or first < max_tries):
+        count = size if max_tries is None else min(size, max_tries - first)
+        normals, uniforms = draw.block(first, count, active)
+        mu, s = p_mu1[active, None], p_s1[active, None]
+        x = mu + s * normals.to(p_mu1.dtype)  # [a, count, d]
+        keep_prob = residual_keep_probability(x, mu, s, q_mu1[active, None], q_s1[active, None], log_factor[active, None])
+        take = uniforms.to(torch.float64) < keep_prob
+        kept = take.any(1)
+        first_kept = take.to(torch.int8).argmax(1)  # the first kept try of each row (0 where none)
+        tries[active] = first + torch.where(kept, first_kept + 1, count)
+        out[active[kept]] = x[kept, first_kept[kept]]
+        kept_any[active[kept]] = True
+        active = active[~kept]
+        first, size = first + count, min(2 * size, MAX_BLOCK)
+    return ResidualResult(x=out, tries=tries, cap_hit=~kept_any)
 
 
 @dataclass

@@ -1,0 +1,118 @@
+"""Pricing model calls by their measured shape: the pieces the family benches share.
+
+A bench counts an arm's model calls by shape in an untimed pass, times every shape used in the
+same run, and predicts the arm's time as the sum over its calls of each call's cost. A shape key
+is ``role:dim:...:rows``: what is called, then the sizes its cost depends on, the rows fed last.
+
+Every timing reads two clocks: ``wall`` (time.perf_counter) and ``cpu`` (process CPU time, which
+leaves out the time the process waits for a core on a shared machine; a fair clock for
+single-threaded torch on CPU only: it misses asynchronous GPU work).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Iterable
+
+import torch
+
+CLOCK_NAMES = ("wall", "cpu")
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def stamp() -> tuple[float, float]:
+    return time.perf_counter(), time.process_time()
+
+
+def since(start: tuple[float, float]) -> dict[str, float]:
+    end = stamp()
+    return {name: end[i] - start[i] for i, name in enumerate(CLOCK_NAMES)}
+
+
+def shape_key(role: str, *dims: int) -> str:
+    """Key of one kind of call: ``role`` then its sizes, the rows fed last."""
+    return ":".join([role, *(str(d) for d in dims)])
+
+
+def parse_shape(key: str) -> tuple:
+    role, *dims = key.split(":")
+    return (role, *(int(d) for d in dims))
+
+
+def partial_rows_grid(batch: int) -> list[int]:
+    """Row counts at which calls with fewer rows than the batch are timed (others interpolated)."""
+    grid = {1 << k for k in range(batch.bit_length()) if 1 << k < batch}
+    return sorted(grid | ({batch - 1} if batch > 1 else set()))
+
+
+def shape_cost(key: str, costs: dict[str, float], batch: int) -> float:
+    """Cost of one call of shape ``key``: measured, or (partial rows off the grid) linear in rows
+    between the two nearest timed row counts of the same kind."""
+    if key in costs:
+        return costs[key]
+    role, *dims, rows = parse_shape(key)
+    grid = partial_rows_grid(batch)
+    hi = next(g for g in grid if g > rows)
+    lo = max(g for g in grid if g < rows)
+    c_lo, c_hi = costs[shape_key(role, *dims, lo)], costs[shape_key(role, *dims, hi)]
+    return c_lo + (c_hi - c_lo) * (rows - lo) / (hi - lo)
+
+
+def time_call(call: Callable[[], object], device: torch.device, calls: int, timings: int = 5,
+              warmup: int = 3) -> dict[str, float]:
+    """Seconds per call ``{clock: s}``: the median of ``timings`` timings of ``calls`` back-to-back calls."""
+    for _ in range(warmup):
+        call()
+    times: dict[str, list[float]] = {clock: [] for clock in CLOCK_NAMES}
+    for _ in range(timings):
+        sync(device)
+        start = stamp()
+        for _ in range(calls):
+            call()
+        sync(device)
+        for clock, t in since(start).items():
+            times[clock].append(t / calls)
+    return {clock: statistics.median(ts) for clock, ts in times.items()}
+
+
+class InterleavedTimer:
+    """Per-call costs of several calls, timed a few at a time between other work (:meth:`step`),
+    cycling through the calls: on a shared machine each call's timings then sample the same
+    stretches of drift as the work around them. Each timing is of as many back-to-back calls as
+    fill about ``seconds`` (at least one, calibrated on the first calls after a warm-up)."""
+
+    def __init__(self, calls: dict[str, Callable[[], object]], device: torch.device, seconds: float = 0.02) -> None:
+        self.calls, self.device = calls, device
+        self.repeat: dict[str, int] = {}
+        with torch.inference_mode():
+            for key, call in calls.items():
+                once = time_call(call, device, calls=1, timings=1, warmup=1)["wall"]
+                self.repeat[key] = max(1, round(seconds / max(once, 1e-6)))
+        self.times: dict[str, dict[str, list[float]]] = {clock: {key: [] for key in calls} for clock in CLOCK_NAMES}
+        self._keys = list(calls)
+        self._next = 0
+
+    def step(self, count: int = 1) -> None:
+        """Time the next ``count`` calls of the cycle once each."""
+        for _ in range(count):
+            key = self._keys[self._next % len(self._keys)]
+            self._next += 1
+            with torch.inference_mode():
+                timing = time_call(self.calls[key], self.device, self.repeat[key], timings=1, warmup=0)
+            for clock, t in timing.items():
+                self.times[clock][key].append(t)
+
+    def costs(self) -> dict[str, dict[str, float]]:
+        """Seconds per call ``{clock: {key: s}}``: the median of each call's timings."""
+        return {clock: {key: statistics.median(ts) for key, ts in by_key.items()}
+                for clock, by_key in self.times.items()}
+
+
+def paired_speedup(base: Iterable[float], mine: Iterable[float]) -> float:
+    """Median over repetitions of base time / this arm's time in the same repetition."""
+    return statistics.median(b / m for b, m in zip(base, mine))
