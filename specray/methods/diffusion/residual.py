@@ -80,10 +80,14 @@ def _log_G_offset(v: torch.Tensor, c: torch.Tensor, delta: torch.Tensor, log_alp
 
 def _log_G_at(s: torch.Tensor, v: torch.Tensor, delta: torch.Tensor, log_alpha: torch.Tensor) -> torch.Tensor:
     """:func:`_log_G_offset` given ``s = c + v`` as well."""
-    far = s < -_TAIL
-    any_far = any_of(far)
+    shifted = s - delta
+    far_shifted = shifted < -_TAIL
+    any_far_shifted = any_of(far_shifted)
+    # delta >= 0, so s - delta <= s: where no s - delta is below -30, no s is either
+    far = s < -_TAIL if any_far_shifted else far_shifted
+    any_far = any_far_shifted and any_of(far)
     log_phi_s = _log_ndtr(s, far, any_far)
-    inner = log_ndtr(s - delta) - log_phi_s - log_alpha
+    inner = _log_ndtr(shifted, far_shifted, any_far_shifted) - log_phi_s - log_alpha
     if any_far:
         t = torch.clamp(s, max=-_TAIL)
         tail = delta * v - torch.log1p(delta / (-t)) + _log_mills_series(t - delta) - _log_mills_series(t)
@@ -159,24 +163,31 @@ def _newton(lo: torch.Tensor, hi: torch.Tensor, c: torch.Tensor, delta: torch.Te
             target: torch.Tensor) -> torch.Tensor:
     """``NEWTON_STEPS`` safeguarded Newton steps on ``log G(c + v) = target`` from ``v = lo``; returns v.
 
-    A step is a pure function of the state ``(v, lo, hi)``. Once a state recurs one or two steps later
-    (the root reached, or an oscillation by an ulp) every later state is known, so on the CPU the loop
-    stops there and returns the state the last step would have left: the same bits, in about half
-    the steps. (On an accelerator all steps run: the check would wait for the device.)
+    A step is a pure function of the state ``(v, lo, hi)``, so once a state recurs every later one is
+    known, and on the CPU the loop stops there with the v the last step would have left (the same bits,
+    in about half the steps; on an accelerator every step runs, as the check would wait for the device).
+    A step that leaves v unchanged leaves the whole state unchanged from the next step on (lo and hi
+    already hold v where the sign of f moves them); otherwise a state can recur two steps later (v
+    oscillating by an ulp).
     """
-    v = lo.clone()
-    check = v.device.type == "cpu"
-    states = [torch.stack([v, lo, hi]).view(torch.int64)] if check else []
+    states = [(lo.clone(), lo, hi)]
+    if lo.device.type != "cpu":
+        for _ in range(NEWTON_STEPS):
+            states = [_newton_step(*states[-1], c, delta, log_alpha, target)]
+        return states[-1][0]
+    v_bits = [states[0][0].view(torch.int64)]
     for i in range(NEWTON_STEPS):
-        v, lo, hi = _newton_step(v, lo, hi, c, delta, log_alpha, target)
-        if check:
-            states.append(torch.stack([v, lo, hi]).view(torch.int64))
-            if torch.equal(states[-1], states[-2]):  # a fixed point
-                return v
-            if len(states) >= 3 and torch.equal(states[-1], states[-3]):  # period 2 from here on
-                left = NEWTON_STEPS - 1 - i
-                return v if left % 2 == 0 else states[-2][0].view(torch.float64)
-    return v
+        states.append(_newton_step(*states[-1], c, delta, log_alpha, target))
+        v_bits.append(states[-1][0].view(torch.int64))
+        if torch.equal(v_bits[-1], v_bits[-2]):
+            return states[-1][0]
+        if i >= 1 and torch.equal(v_bits[-1], v_bits[-3]) and _same_bits(states[-1][1:], states[-3][1:]):
+            return states[-1 if (NEWTON_STEPS - 1 - i) % 2 == 0 else -2][0]  # period 2 from here on
+    return states[-1][0]
+
+
+def _same_bits(a: tuple[torch.Tensor, ...], b: tuple[torch.Tensor, ...]) -> bool:
+    return all(torch.equal(x.view(torch.int64), y.view(torch.int64)) for x, y in zip(a, b))
 
 
 def _newton_step(v: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, c: torch.Tensor, delta: torch.Tensor,
