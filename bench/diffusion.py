@@ -8,17 +8,17 @@ spec_block (residual sampler) with the frozen, free and model drafters at gamma 
 - ``BE``: block efficiency, denoising steps advanced per round; ``tgt``, ``draft``: sequential target and
   draft calls per sample; ``states``: target states evaluated per sample (CFG not doubled);
 - ``speedup``: measured speedup over ``target_only``. All arms run on the same samples and seeds,
-  interleaved (the order rotates every repetition); the median over repetitions of the paired ratio
-  target_only time / arm time;
+  interleaved batch by batch (every arm runs a batch before any runs the next; the order rotates every
+  batch and repetition); the median over repetitions of the paired ratio target_only time / arm time;
 - ``pred``: the speedup predicted from the calls the loop really made, each priced at its own shape.
   The calls (a :class:`Denoiser` forward: the UNet on every row fed, CFG included) are counted by
   wrapping that method in an untimed pass (which also warms every arm up), by shape: model (target or
   draft) and rows fed. The rows are the batch for target_only and the final step, the round's rows
   for a Frozen round's first call and the model drafter's calls, and the states to verify (up to
   gamma per row) for a verify call, fewer in the tail rounds as rows finish. Every shape used is timed
-  in the same run, in every repetition (median over repetitions): a grid of row counts (powers of two,
-  the largest count used, and every count that makes >= 10 % of some arm's calls of that model),
-  linear in between. Predicted time = sum over calls of the cost of the call's shape;
+  in the same run, in every repetition (median over repetitions; the shapes take turns): a grid of
+  row counts (powers of two, the largest count used, and every count that makes >= 10 % of some arm's
+  calls of that model), linear in between. Predicted time = sum over calls of the cost of the call's shape;
 - ``eff`` = speedup / pred (1.0: no more loop overhead than target_only's own loop);
 - ``ovh`` = time / predicted time of the arm's own calls (its loop overhead factor), and ``loop/rnd``:
   the time outside the calls per loop iteration in ms (a round; target_only: a step), i.e. (time -
@@ -181,7 +181,8 @@ def rows_to_time(counts: list[CallCounts]) -> dict[str, list[int]]:
 
 def _call_of_shape(model: Denoiser, rows: int, num_train_timesteps: int, image_shape: tuple[int, ...],
                    guidance_scale: float, gen: torch.Generator, device: torch.device) -> Any:
-    """A zero-argument function making one denoiser call on ``rows`` rows, as the loops make it."""
+    """A zero-argument function making one denoiser call on ``rows`` rows, as the loops make it (under
+    the denoiser's own ``no_grad``, not ``inference_mode``)."""
     x = torch.randn(rows, *image_shape, generator=gen).to(device)
     t = torch.randint(0, num_train_timesteps, (rows,), generator=gen).to(device)
     labels = (torch.arange(rows) % 10).to(device)
@@ -189,34 +190,33 @@ def _call_of_shape(model: Denoiser, rows: int, num_train_timesteps: int, image_s
 
 
 def call_costs(pair: ModelPair, rows: dict[str, list[int]], guidance_scale: float) -> dict[str, dict[str, float]]:
-    """Per-call seconds ``{clock: {shape key: s}}`` of every shape to time: the median of 5 timings,
-    each of as many back-to-back calls as take ~50 ms (at least one), after one warm-up call."""
+    """Per-call seconds ``{clock: {shape key: s}}`` of every shape to time: the median of 5 timings, each
+    of as many back-to-back calls as take ~50 ms (at least one), after one warm-up call. The shapes take
+    turns within each of the 5 rounds of timings, so a change in the machine's load hits them alike."""
     device = pair.device
     gen = torch.Generator().manual_seed(0)
     steps = pair.info["scheduler"].config.num_train_timesteps
-    out: dict[str, dict[str, float]] = {clock: {} for clock in CLOCK_NAMES}
-    with torch.inference_mode():
-        for role, counts in rows.items():
-            model = pair.target if role == "target" else pair.draft
-            for n in counts:
-                call = _call_of_shape(model, n, steps, pair.info["image_shape"], guidance_scale, gen, device)
-                _sync(device)
-                start = stamp()
-                call()  # warm-up, and the size of a timing
-                _sync(device)
-                calls = min(20, max(1, round(0.05 / max(since(start)["wall"], 1e-6))))
-                times: dict[str, list[float]] = {clock: [] for clock in CLOCK_NAMES}
-                for _ in range(5):
-                    _sync(device)
-                    start = stamp()
-                    for _ in range(calls):
-                        call()
-                    _sync(device)
-                    for clock, t in since(start).items():
-                        times[clock].append(t / calls)
-                for clock in CLOCK_NAMES:
-                    out[clock][shape_key(role, n)] = statistics.median(times[clock])
-    return out
+    calls: dict[str, tuple[Any, int]] = {}
+    for role, counts in rows.items():
+        model = pair.target if role == "target" else pair.draft
+        for n in counts:
+            call = _call_of_shape(model, n, steps, pair.info["image_shape"], guidance_scale, gen, device)
+            _sync(device)
+            start = stamp()
+            call()  # warm-up, and the size of a timing
+            _sync(device)
+            calls[shape_key(role, n)] = call, min(20, max(1, round(0.05 / max(since(start)["wall"], 1e-6))))
+    times: dict[str, dict[str, list[float]]] = {clock: {key: [] for key in calls} for clock in CLOCK_NAMES}
+    for _ in range(5):
+        for key, (call, n) in calls.items():
+            _sync(device)
+            start = stamp()
+            for _ in range(n):
+                call()
+            _sync(device)
+            for clock, t in since(start).items():
+                times[clock][key].append(t / n)
+    return {clock: {key: statistics.median(ts) for key, ts in times[clock].items()} for clock in CLOCK_NAMES}
 
 
 def shape_cost(key: str, costs: dict[str, float]) -> float:
@@ -280,10 +280,15 @@ def bench_config(pair: ModelPair, num_steps: int, batch: int, samples: int, reps
     cost_reps: list[dict[str, dict[str, float]]] = []
     for rep in range(reps):
         cost_reps.append(call_costs(pair, rows, guidance))
-        order = arms[rep % len(arms):] + arms[: rep % len(arms)]  # rotate so drift hits every arm alike
-        for name, method, params in order:
-            elapsed, _ = run_arm(method, params, pair, work, seed)
-            times[name].append(elapsed)
+        elapsed = {name: dict.fromkeys(CLOCK_NAMES, 0.0) for name, _, _ in arms}
+        for i, one_batch in enumerate(work):  # every arm runs a batch before the next: drift hits them alike
+            turn = (rep + i) % len(arms)
+            for name, method, params in arms[turn:] + arms[:turn]:  # the order rotates
+                t, _ = run_arm(method, params, pair, [one_batch], seed)
+                for clock in CLOCK_NAMES:
+                    elapsed[name][clock] += t[clock]
+        for name in times:
+            times[name].append(elapsed[name])
     costs = {clock: median_by_key([c[clock] for c in cost_reps]) for clock in CLOCK_NAMES}
 
     base_name = arms[0][0]
