@@ -151,7 +151,8 @@ def speculative_chain(
     batch, K = x.shape[0], chain.num_steps
     x = x.clone()
     k = torch.zeros(batch, dtype=torch.int64, device=device)
-    stale = torch.zeros_like(x)  # each row's eps of the state preceding its current one (free drafter)
+    # the free drafter's eps: each row's target eps of the state preceding its current one
+    stale = torch.zeros_like(x) if drafter == "free" else None
     stats = ChainStats(batch, gamma, K, device)
     keys = _StreamKeys(seed, sample_ids)
     tables = torch.stack([chain.A, chain.B, chain.sigma])  # [3, K], gathered once per round
@@ -166,14 +167,22 @@ def speculative_chain(
             act = None if active.size == batch else _on(device, active)
         frozen = drafter == "frozen" or (drafter == "free" and index == 0)  # every row is new in round 0
         rnd = _new_round(index, act, all_rows, k, gamma, np.minimum(gamma, K - k_host[active]), frozen, tables, stats)
-        x_new, stale_new, k_new, tau_host = _round(chain, rnd, _rows(x, act), _rows(stale, act), keys, stats,
-                                                   drafter, verification, rejection, residual_alpha)
+        row_stale = stale if stale is None else _rows(stale, act)
+        x_new, stale_new, k_new, tau_host = _round(chain, rnd, _rows(x, act), row_stale, keys, stats, drafter,
+                                                   verification, rejection, residual_alpha)
         if act is None:
             x, stale, k = x_new, stale_new, k_new
         else:
-            x[act], stale[act], k[act] = x_new, stale_new, k_new
+            x[act], k[act] = x_new, k_new
+            if stale is not None:
+                stale[act] = stale_new
         k_host[active] += np.where(tau_host < rnd.g_host, tau_host + 1, rnd.g_host)
     stats.flush()
+    # A round evaluates every drafted state with the target (the Frozen call the first, the verify call
+    # the rest), and the model drafter makes one call per drafted state.
+    stats.states_evaluated += stats.drafted
+    if drafter == "model":
+        stats.draft_calls += stats.drafted
     return x, stats
 
 
@@ -222,17 +231,18 @@ def _new_round(index: int, act: torch.Tensor | None, all_rows: torch.Tensor, k: 
     g = torch.clamp(K - kk, max=gamma)  # = g_host, on the device
     steps = kk[:, None] + positions
     return _Round(index=index, act=act, label_rows=all_rows if act is None else act, row_index=all_rows[:g_host.size],
-                  kk=kk, g=g, g_host=g_host, G=G, ragged=int(g_host.min()) < G, steps=steps, valid=positions < g[:, None],
-                  coef=tables[:, steps.clamp(max=K - 1)], frozen=frozen)
+                  kk=kk, g=g, g_host=g_host, G=G, ragged=int(g_host.min()) < G, steps=steps,
+                  valid=positions < g[:, None], coef=tables[:, steps.clamp(max=K - 1)], frozen=frozen)
 
 
 def _rows(t: torch.Tensor, act: torch.Tensor | None) -> torch.Tensor:
     return t if act is None else t[act]
 
 
-def _round(chain: GaussianChain, rnd: _Round, y0: torch.Tensor, stale: torch.Tensor, keys: _StreamKeys,
+def _round(chain: GaussianChain, rnd: _Round, y0: torch.Tensor, stale: torch.Tensor | None, keys: _StreamKeys,
            stats: ChainStats, drafter: str, verification: str, rejection: str, residual_alpha: str):
-    """Draft, verify and commit one round; returns the rows' new states, stale eps, steps, and tau (host)."""
+    """Draft, verify and commit one round; returns the rows' new states, stale eps (``stale`` given: the free
+    drafter), steps, and tau (host)."""
     n, G, shape = y0.shape[0], rnd.G, tuple(y0.shape[1:])
     coef = rnd.coef.reshape(3, n, G, *([1] * len(shape)))
     draws = rng.extend_hash(keys.draft_accept[:, rnd.label_rows, None], rnd.index, rnd.steps)  # [2, n, G]
@@ -266,16 +276,16 @@ def _round(chain: GaussianChain, rnd: _Round, y0: torch.Tensor, stale: torch.Ten
         x_new[cut_rows] = _resample(chain, rnd, cut_rows, Y, E, Delta, xi, verdict, keys, rejection,
                                     residual_alpha).to(y0.dtype)
     rejected = tau < rnd.g
-    stale_new = E[rnd.row_index, torch.where(rejected, tau, rnd.g - 1)]  # eps of the state preceding the new one (spec 2.3)
+    if stale is not None:  # eps of the state preceding the new one (spec 2.3)
+        stale = E[rnd.row_index, torch.where(rejected, tau, rnd.g - 1)]
     k_new = rnd.kk + torch.where(rejected, tau + 1, rnd.g)
 
     # block slot j is step kk + j; tau <= g, so the accepted slots lie within the drafted ones
     stats.observe_prefix(rnd.act, rnd.steps, rnd.g, tau)
     target_calls = (rnd.g > 1).to(torch.int64) + 1 if rnd.frozen else 1  # the Frozen call, then verify
-    stats.add_calls(rnd.act, target=target_calls, draft=rnd.g if drafter == "model" else 0)
-    _add(stats.states_evaluated, rnd.act, rnd.g)
-    _add(stats.expected_advance, rnd.act, verdict.expected_advance.to(stats.expected_advance.device))
-    return x_new, stale_new, k_new, tau_host
+    stats.add_calls(rnd.act, target=target_calls)
+    _add(stats.expected_advance, rnd.act, verdict.expected_advance)
+    return x_new, stale, k_new, tau_host
 
 
 def _on(device: torch.device, index: np.ndarray) -> torch.Tensor:

@@ -47,9 +47,8 @@ def token_verify(log_rho: torch.Tensor, delta: torch.Tensor, g: torch.Tensor, et
     n, G = log_rho.shape
     log_rho = torch.where(delta <= DELTA_MIN, torch.zeros_like(log_rho), log_rho)  # identical kernels
     valid = _valid(g, G)
-    accept = (torch.log(eta) <= log_rho) | ~valid
-    rejected_before = torch.cumsum((~accept).to(torch.int64), dim=1) > 0
-    tau = torch.where(rejected_before.any(dim=1), (~rejected_before).sum(dim=1), g)
+    accepted = (torch.log(eta) <= log_rho) & valid  # the drafted slots form a prefix: tau is its accepted run
+    tau = torch.cumprod(accepted.to(torch.int64), dim=1).sum(dim=1)
     log_v = torch.cumsum(torch.where(valid, log_rho.clamp(max=0.0), torch.zeros_like(log_rho)), dim=1)
     v_prev = torch.cat([torch.ones(n, 1, dtype=torch.float64, device=log_rho.device), log_v[:, :-1].exp()], dim=1)
     expected = torch.where(valid, v_prev, torch.zeros_like(v_prev)).sum(dim=1)
