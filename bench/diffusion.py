@@ -16,9 +16,10 @@ spec_block (residual sampler) with the frozen, free and model drafters at gamma 
   draft) and rows fed. The rows are the batch for target_only and the final step, the round's rows
   for a Frozen round's first call and the model drafter's calls, and the states to verify (up to
   gamma per row) for a verify call, fewer in the tail rounds as rows finish. Every shape used is timed
-  in the same run, in every repetition (median over repetitions; the shapes take turns): a grid of
-  row counts (powers of two, the largest count used, and every count that makes >= 10 % of some arm's
-  calls of that model), linear in between. Predicted time = sum over calls of the cost of the call's shape;
+  in the same run, in rounds spread over it (one before every arm's batch, each shape in turn; the
+  median over rounds): a grid of row counts (powers of two, the largest count used, and every count
+  that makes >= 10 % of some arm's calls of that model), linear in between. Predicted time = sum over
+  calls of the cost of the call's shape;
 - ``eff`` = speedup / pred (1.0: no more loop overhead than target_only's own loop);
 - ``ovh`` = time / predicted time of the arm's own calls (its loop overhead factor), and ``loop/rnd``:
   the time outside the calls per loop iteration in ms (a round; target_only: a step), i.e. (time -
@@ -62,7 +63,7 @@ ARMS: list[tuple[str, str, str | None]] = [("target_only", "target_only", None)]
 ]
 
 
-# ---- clocks, medians, shapes: generic helpers ---------------------------------------------------
+# ---- clocks, shapes: generic helpers -----------------------------------------------------------------
 
 # Every timing reads both clocks. "wall": time.perf_counter. "cpu": process CPU time, which on a
 # shared machine leaves out the time the process waits for a core (a fair clock for single-threaded
@@ -82,11 +83,6 @@ def since(start: tuple[float, float]) -> dict[str, float]:
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def median_by_key(runs: list[dict[str, float]]) -> dict[str, float]:
-    """Per key, the median over runs (every run has the same keys)."""
-    return {key: statistics.median(run[key] for run in runs) for key in runs[0]}
 
 
 def shape_key(role: str, rows: int) -> str:
@@ -131,7 +127,8 @@ def batches_of(samples: int, batch: int) -> list[tuple[torch.Tensor, torch.Tenso
     return out
 
 
-def run_arm(method: str, params: dict[str, Any], pair: ModelPair, work: list, seed: int) -> tuple[dict[str, float], list]:
+def run_arm(method: str, params: dict[str, Any], pair: ModelPair, work: list,
+            seed: int) -> tuple[dict[str, float], list]:
     """Time one arm on every batch of ``work`` (both clocks); returns the time and each batch's stats."""
     _sync(pair.device)
     start = stamp()
@@ -189,34 +186,43 @@ def _call_of_shape(model: Denoiser, rows: int, num_train_timesteps: int, image_s
     return lambda: model(x, t, labels, guidance_scale)
 
 
-def call_costs(pair: ModelPair, rows: dict[str, list[int]], guidance_scale: float) -> dict[str, dict[str, float]]:
-    """Per-call seconds ``{clock: {shape key: s}}`` of every shape to time: the median of 5 timings, each
-    of as many back-to-back calls as take ~50 ms (at least one), after one warm-up call. The shapes take
-    turns within each of the 5 rounds of timings, so a change in the machine's load hits them alike."""
-    device = pair.device
-    gen = torch.Generator().manual_seed(0)
-    steps = pair.info["scheduler"].config.num_train_timesteps
-    calls: dict[str, tuple[Any, int]] = {}
-    for role, counts in rows.items():
-        model = pair.target if role == "target" else pair.draft
-        for n in counts:
-            call = _call_of_shape(model, n, steps, pair.info["image_shape"], guidance_scale, gen, device)
-            _sync(device)
-            start = stamp()
-            call()  # warm-up, and the size of a timing
-            _sync(device)
-            calls[shape_key(role, n)] = call, min(20, max(1, round(0.05 / max(since(start)["wall"], 1e-6))))
-    times: dict[str, dict[str, list[float]]] = {clock: {key: [] for key in calls} for clock in CLOCK_NAMES}
-    for _ in range(5):
-        for key, (call, n) in calls.items():
-            _sync(device)
+class CallCosts:
+    """Per-call cost of every shape to time, measured in rounds spread over the run: each round times
+    every shape once (as many back-to-back calls as take ~25 ms, at least one), and a shape's cost is
+    the median over rounds. The bench runs a round before every arm's batch, so the costs see the
+    machine's load as the arms do."""
+
+    def __init__(self, pair: ModelPair, rows: dict[str, list[int]], guidance_scale: float) -> None:
+        self.device = pair.device
+        gen = torch.Generator().manual_seed(0)
+        steps = pair.info["scheduler"].config.num_train_timesteps
+        self.calls: dict[str, tuple[Any, int]] = {}
+        for role, counts in rows.items():
+            model = pair.target if role == "target" else pair.draft
+            for n in counts:
+                call = _call_of_shape(model, n, steps, pair.info["image_shape"], guidance_scale, gen, self.device)
+                call()  # warm-up
+                _sync(self.device)
+                start = stamp()
+                call()  # the size of a timing
+                _sync(self.device)
+                self.calls[shape_key(role, n)] = call, min(20, max(1, round(0.025 / max(since(start)["wall"], 1e-6))))
+        self.times: dict[str, dict[str, list[float]]] = {clock: {key: [] for key in self.calls}
+                                                         for clock in CLOCK_NAMES}
+
+    def time_round(self) -> None:
+        for key, (call, n) in self.calls.items():
+            _sync(self.device)
             start = stamp()
             for _ in range(n):
                 call()
-            _sync(device)
+            _sync(self.device)
             for clock, t in since(start).items():
-                times[clock][key].append(t / n)
-    return {clock: {key: statistics.median(ts) for key, ts in times[clock].items()} for clock in CLOCK_NAMES}
+                self.times[clock][key].append(t / n)
+
+    def seconds(self) -> dict[str, dict[str, float]]:
+        """``{clock: {shape key: median seconds per call}}``."""
+        return {clock: {key: statistics.median(ts) for key, ts in self.times[clock].items()} for clock in CLOCK_NAMES}
 
 
 def shape_cost(key: str, costs: dict[str, float]) -> float:
@@ -277,19 +283,19 @@ def bench_config(pair: ModelPair, num_steps: int, batch: int, samples: int, reps
     guidance = arms[0][2].get("guidance_scale", 1.0)
 
     times: dict[str, list[dict[str, float]]] = {name: [] for name, _, _ in arms}
-    cost_reps: list[dict[str, dict[str, float]]] = []
+    call_costs = CallCosts(pair, rows, guidance)
     for rep in range(reps):
-        cost_reps.append(call_costs(pair, rows, guidance))
         elapsed = {name: dict.fromkeys(CLOCK_NAMES, 0.0) for name, _, _ in arms}
         for i, one_batch in enumerate(work):  # every arm runs a batch before the next: drift hits them alike
             turn = (rep + i) % len(arms)
             for name, method, params in arms[turn:] + arms[:turn]:  # the order rotates
+                call_costs.time_round()
                 t, _ = run_arm(method, params, pair, [one_batch], seed)
                 for clock in CLOCK_NAMES:
                     elapsed[name][clock] += t[clock]
         for name in times:
             times[name].append(elapsed[name])
-    costs = {clock: median_by_key([c[clock] for c in cost_reps]) for clock in CLOCK_NAMES}
+    costs = call_costs.seconds()
 
     base_name = arms[0][0]
     results = []
@@ -349,9 +355,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--gamma", type=int, default=7)
     ap.add_argument("--steps", default=None, help="comma-separated numbers of steps K (default 100, quick 50)")
     ap.add_argument("--batches", default="1,32", help="comma-separated batch sizes")
-    ap.add_argument("--samples-b1", type=int, default=None, help="samples at batch 1 (default 4, quick 2)")
+    ap.add_argument("--samples-b1", type=int, default=None, help="samples at batch 1 (default 3, quick 2)")
     ap.add_argument("--batches-large", type=int, default=1, help="number of batches at batch sizes > 1")
-    ap.add_argument("--reps", type=int, default=None, help="timed repetitions (default 5, quick 2)")
+    ap.add_argument("--reps", type=int, default=None, help="timed repetitions (default 7, quick 2)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (1 for stable timing)")
     ap.add_argument("--quick", action="store_true", help="K=50, fewer samples and repetitions (~2 min)")
@@ -363,8 +369,8 @@ def main(argv: list[str] | None = None) -> None:
 
     torch.set_num_threads(args.threads)
     steps = [int(k) for k in (args.steps or ("50" if args.quick else "100")).split(",")]
-    samples_b1 = args.samples_b1 or (2 if args.quick else 4)
-    reps = args.reps or (2 if args.quick else 5)
+    samples_b1 = args.samples_b1 or (2 if args.quick else 3)
+    reps = args.reps or (2 if args.quick else 7)
     device = torch.device(args.device)
     clock = args.clock if args.clock != "auto" else ("cpu" if device.type == "cpu" else "wall")
     pair = load_pair(TARGET, DRAFT, device)
