@@ -21,9 +21,15 @@ spec_block (residual sampler) with the frozen, free and model drafters at gamma 
   that makes >= 10 % of some arm's calls of that model), linear in between. Predicted time = sum over
   calls of the cost of the call's shape;
 - ``eff`` = speedup / pred (1.0: no more loop overhead than target_only's own loop);
-- ``ovh`` = time / predicted time of the arm's own calls (its loop overhead factor), and ``loop/rnd``:
-  the time outside the calls per loop iteration in ms (a round; target_only: a step), i.e. (time -
-  predicted time) / iterations, where a batch's iterations are its slowest row's rounds.
+- ``ovh`` = time / predicted time of the arm's own calls (its loop overhead factor);
+- ``run-eff``: the efficiency again, with every timed run split into the time inside its own denoiser
+  calls and the rest (its loop): (share of the arm's time in calls) / (share of target_only's), medians
+  over repetitions. Both shares come from the same runs, so this is robust to a machine whose load
+  changes between the cost timings and the runs (CPU devices only: on a GPU a call returns before its
+  work is done). ``eff`` and ``run-eff`` agree when the calls cost in the loop what they cost alone;
+- ``loop/rnd``: the time outside the calls per loop iteration in ms (a round; target_only: a step),
+  from the same split (on a GPU: time - predicted time), over the iterations, where a batch's
+  iterations are its slowest row's rounds.
 
 Both clocks are measured: wall time, and process CPU time, which leaves out the time the process
 waits for a core on a shared machine (valid for single-threaded CPU runs only). The main columns use
@@ -35,6 +41,7 @@ waits for a core on a shared machine (valid for single-threaded CPU runs only). 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import platform
 import statistics
@@ -135,6 +142,29 @@ def run_arm(method: str, params: dict[str, Any], pair: ModelPair, work: list,
     stats = [run_batch(method, params, pair, labels, sids, seed).stats for labels, sids in work]
     _sync(pair.device)
     return since(start), stats
+
+
+class TimeInCalls:
+    """Within the block, the time spent inside :meth:`Denoiser.forward` (both clocks), so that a run's
+    time splits into its calls and its loop (CPU devices only: on a GPU a call returns before its work
+    is done)."""
+
+    def __enter__(self) -> dict[str, float]:
+        self.inside = dict.fromkeys(CLOCK_NAMES, 0.0)
+        self.original = original = Denoiser.forward
+
+        def timed(model: Denoiser, *args: Any, **kwargs: Any) -> torch.Tensor:
+            start = stamp()
+            out = original(model, *args, **kwargs)
+            for clock, t in since(start).items():
+                self.inside[clock] += t
+            return out
+
+        Denoiser.forward = timed  # type: ignore[method-assign]
+        return self.inside
+
+    def __exit__(self, *exc: Any) -> None:
+        Denoiser.forward = self.original  # type: ignore[method-assign]
 
 
 def count_calls(method: str, params: dict[str, Any], pair: ModelPair, work: list, seed: int) -> tuple[CallCounts, list]:
@@ -249,8 +279,10 @@ class ClockResult:
     predicted_speedup: float  # from the call counts and this clock's per-call costs
     efficiency: float  # speedup / predicted_speedup
     overhead: float  # median time / predicted time of the arm's own calls
-    loop_s_per_iteration: float  # (median time - predicted time) / loop iterations
+    loop_s_per_iteration: float  # median time outside the calls (in-run split; else time - predicted time) / iterations
+    run_efficiency: float | None  # efficiency with each run's own time in calls for the predicted (CPU only)
     reps_s: list[float] = field(default_factory=list)
+    reps_loop_s: list[float] = field(default_factory=list)  # time outside the calls, per repetition (CPU only)
 
 
 @dataclass
@@ -283,18 +315,24 @@ def bench_config(pair: ModelPair, num_steps: int, batch: int, samples: int, reps
     guidance = arms[0][2].get("guidance_scale", 1.0)
 
     times: dict[str, list[dict[str, float]]] = {name: [] for name, _, _ in arms}
+    loop_times: dict[str, list[dict[str, float]]] = {name: [] for name, _, _ in arms}
+    split = pair.device.type == "cpu"
     call_costs = CallCosts(pair, rows, guidance)
     for rep in range(reps):
         elapsed = {name: dict.fromkeys(CLOCK_NAMES, 0.0) for name, _, _ in arms}
+        in_calls = {name: dict.fromkeys(CLOCK_NAMES, 0.0) for name, _, _ in arms}
         for i, one_batch in enumerate(work):  # every arm runs a batch before the next: drift hits them alike
             turn = (rep + i) % len(arms)
             for name, method, params in arms[turn:] + arms[:turn]:  # the order rotates
                 call_costs.time_round()
-                t, _ = run_arm(method, params, pair, [one_batch], seed)
+                with TimeInCalls() if split else contextlib.nullcontext(dict.fromkeys(CLOCK_NAMES, 0.0)) as inside:
+                    t, _ = run_arm(method, params, pair, [one_batch], seed)
                 for clock in CLOCK_NAMES:
                     elapsed[name][clock] += t[clock]
+                    in_calls[name][clock] += inside[clock]
         for name in times:
             times[name].append(elapsed[name])
+            loop_times[name].append({c: elapsed[name][c] - in_calls[name][c] for c in CLOCK_NAMES})
     costs = call_costs.seconds()
 
     base_name = arms[0][0]
@@ -308,10 +346,15 @@ def bench_config(pair: ModelPair, num_steps: int, batch: int, samples: int, reps
             pred_time = predicted_time(counts, costs[clock])
             predicted = predicted_time(counted[base_name][0], costs[clock]) / pred_time
             speedup = statistics.median(b / m for b, m in zip(base, mine))
+            loop = [t[clock] for t in loop_times[name]] if split else []
             clocks[clock] = ClockResult(
                 s_per_sample=statistics.median(mine) / samples, speedup=speedup, predicted_speedup=predicted,
                 efficiency=speedup / predicted, overhead=statistics.median(mine) / pred_time,
-                loop_s_per_iteration=(statistics.median(mine) - pred_time) / counts.iterations, reps_s=mine,
+                loop_s_per_iteration=(statistics.median(loop) if split else statistics.median(mine) - pred_time)
+                / counts.iterations,
+                run_efficiency=call_share(loop, mine) / call_share([t[clock] for t in loop_times[base_name]], base)
+                if split else None,
+                reps_s=mine, reps_loop_s=loop,
             )
         mean = lambda f: sum(f(s) for s in stats) / len(stats)  # noqa: E731
         results.append(ArmResult(
@@ -321,6 +364,11 @@ def bench_config(pair: ModelPair, num_steps: int, batch: int, samples: int, reps
             calls=counts, clocks=clocks,
         ))
     return results, costs
+
+
+def call_share(loop: list[float], total: list[float]) -> float:
+    """Median over repetitions of the share of the time spent in the calls."""
+    return statistics.median(1 - lo / t for lo, t in zip(loop, total))
 
 
 def print_table(num_steps: int, batch: int, samples: int, reps: int, costs: dict[str, dict[str, float]],
@@ -338,14 +386,15 @@ def print_table(num_steps: int, batch: int, samples: int, reps: int, costs: dict
           f"draft on {batch} rows {ms('draft', batch)}")
     print(f"   rows timed: target {timed['target']}, draft {timed['draft']}; linear in between")
     header = (f"{'method':<13} {'BE':>5} {'tgt':>6} {'draft':>6} {'states':>7} {'ms/sample':>10} {'speedup':>8} "
-              f"{'pred':>6} {'eff':>5} {'ovh':>5} {'loop/rnd':>8} | {'speedup':>8} {'eff':>5} ({other})")
+              f"{'pred':>6} {'eff':>5} {'ovh':>5} {'run-eff':>7} {'loop/rnd':>8} | {'speedup':>8} {'eff':>5} ({other})")
     print(header)
     print("-" * len(header))
     for r in results:
         m, o = r.clocks[clock], r.clocks[other]
+        run_eff = "-" if m.run_efficiency is None else f"{m.run_efficiency:.2f}"
         print(f"{r.name:<13} {r.block_efficiency:>5.2f} {r.target_calls:>6.1f} {r.draft_calls:>6.1f} "
               f"{r.states_evaluated:>7.1f} {m.s_per_sample * 1e3:>10.1f} {m.speedup:>8.2f} {m.predicted_speedup:>6.2f} "
-              f"{m.efficiency:>5.2f} {m.overhead:>5.2f} {m.loop_s_per_iteration * 1e3:>8.2f} | "
+              f"{m.efficiency:>5.2f} {m.overhead:>5.2f} {run_eff:>7} {m.loop_s_per_iteration * 1e3:>8.2f} | "
               f"{o.speedup:>8.2f} {o.efficiency:>5.2f}", flush=True)
 
 
@@ -357,7 +406,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--batches", default="1,32", help="comma-separated batch sizes")
     ap.add_argument("--samples-b1", type=int, default=None, help="samples at batch 1 (default 3, quick 2)")
     ap.add_argument("--batches-large", type=int, default=1, help="number of batches at batch sizes > 1")
-    ap.add_argument("--reps", type=int, default=None, help="timed repetitions (default 7, quick 2)")
+    ap.add_argument("--reps", type=int, default=None, help="timed repetitions (default 6, quick 2)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (1 for stable timing)")
     ap.add_argument("--quick", action="store_true", help="K=50, fewer samples and repetitions (~2 min)")
@@ -370,7 +419,7 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(args.threads)
     steps = [int(k) for k in (args.steps or ("50" if args.quick else "100")).split(",")]
     samples_b1 = args.samples_b1 or (2 if args.quick else 3)
-    reps = args.reps or (2 if args.quick else 7)
+    reps = args.reps or (2 if args.quick else 6)
     device = torch.device(args.device)
     clock = args.clock if args.clock != "auto" else ("cpu" if device.type == "cpu" else "wall")
     pair = load_pair(TARGET, DRAFT, device)
@@ -392,8 +441,9 @@ def main(argv: list[str] | None = None) -> None:
     report["bench_wall_s"] = time.perf_counter() - started
     print(f"\n# BE: steps per round; tgt, draft: sequential calls per sample; states: target states per sample; "
           f"speedup: vs target_only, median of paired reps; pred: predicted from the calls, each priced at its "
-          f"own shape; eff = speedup / pred; ovh = time / predicted time; loop/rnd: ms outside the calls per "
-          f"round (target_only: per step). Bench took {report['bench_wall_s']:.0f} s.")
+          f"own shape; eff = speedup / pred; ovh = time / predicted time; run-eff: eff from each run's own split "
+          f"into calls and loop; loop/rnd: ms outside the calls per round (target_only: per step). "
+          f"Bench took {report['bench_wall_s']:.0f} s.")
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(report, indent=2))
