@@ -39,13 +39,28 @@ def _shr(x: torch.Tensor, k: int) -> torch.Tensor:
     return (x >> k) & ((1 << (64 - k)) - 1)
 
 
+# _mix's constants as 0-dim CPU tensors, which every device takes as scalars: an op with a tensor
+# operand skips wrapping a Python number, which costs as much as the op on a small tensor.
+_MIX_SHIFTS = {k: (torch.tensor(k), torch.tensor((1 << (64 - k)) - 1)) for k in (30, 27, 31)}
+_GOLDEN_T, _MUL1_T, _MUL2_T = torch.tensor(_GOLDEN), torch.tensor(_MUL1), torch.tensor(_MUL2)
+
+
+def _xor_shr(z: torch.Tensor, k: int) -> None:
+    """``z ^= _shr(z, k)`` in place."""
+    shift, mask = _MIX_SHIFTS[k]
+    high = z >> shift
+    high &= mask
+    z ^= high
+
+
 def _mix(z: torch.Tensor) -> torch.Tensor:
-    z = z + _GOLDEN
-    z ^= _shr(z, 30)
-    z *= _MUL1
-    z ^= _shr(z, 27)
-    z *= _MUL2
-    return z ^ _shr(z, 31)
+    z = z + _GOLDEN_T
+    _xor_shr(z, 30)
+    z *= _MUL1_T
+    _xor_shr(z, 27)
+    z *= _MUL2_T
+    _xor_shr(z, 31)
+    return z
 
 
 _U64 = (1 << 64) - 1
@@ -82,8 +97,12 @@ def stream_hash(seed: int, sample_ids: TensorLike, stream: str | int,
 
 def extend_hash(h: torch.Tensor, position: TensorLike = 0, step: TensorLike = 0) -> torch.Tensor:
     """A :func:`stream_hash` with ``position`` then ``step`` mixed in (all broadcast together)."""
-    h = _mix(h ^ _as_long(position, h.device))
-    return _mix(h ^ _as_long(step, h.device))
+    h = _mix(h ^ _key_field(position, h.device))
+    return _mix(h ^ _key_field(step, h.device))
+
+
+def _key_field(x: TensorLike, device: torch.device) -> torch.Tensor | int:
+    return x if isinstance(x, int) else _as_long(x, device)  # an int needs no tensor
 
 
 _INDEX_KEYS: dict[tuple[tuple[int, ...], str], torch.Tensor] = {}
@@ -100,6 +119,8 @@ def _index_keys(shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
 def bits_at(h: torch.Tensor, shape: Sequence[int] = ()) -> torch.Tensor:
     """64 random bits per element of ``h.shape + shape`` from the key hashes ``h`` (:func:`extend_hash`)."""
     trailing = tuple(int(s) for s in shape)
+    if not trailing:
+        return _mix(h)  # element 0's key mixes in 0
     return _mix(h[(...,) + (None,) * len(trailing)] ^ _index_keys(trailing, h.device))
 
 
