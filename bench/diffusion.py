@@ -1,171 +1,453 @@
-"""Speculative diffusion benchmark on the built-in digits DDPM.
+"""Benchmark of the diffusion family on the built-in presets: the target DDPM digits-ddpm, and the
+separately trained smaller UNet digits-ddpm-draft for the ``model`` drafter.
 
-For K in {100, 1000} and batch in {1, 32}: target_only DDPM vs token / block verification
-x Frozen / Free / independent-draft-model drafters (gamma = 7, residual sampler for block,
-reflection for token). Prints per configuration:
+For each number of steps K (``--steps``, default 100; 1000 optional, ten times longer) and batch size
+(``--batches``, default 1 and 32) it runs target_only (ancestral sampling) and spec_token (reflection) /
+spec_block (residual sampler) with the frozen, free and model drafters at gamma 7, and reports:
 
-- ``BE``: block efficiency, mean denoising steps advanced per verification round;
-- ``steps/call``: K / target calls per sample (= SampleStats.mean_acceptance_length);
-- ``calls``: sequential target calls per sample, and ``states``: target states evaluated;
-- ``speedup``: measured wall clock of target_only / wall clock of the method (same samples);
-- ``pred``: speedup predicted from the measured acceptance and per-call costs: the loop's
-  actual network calls are recorded (batch size of each, which the acceptance determines),
-  and each is priced at the latency measured for that batch size in isolation (grid
-  1..256, linear interpolation); target_only priced the same way. This is the cost model of
-  spec_diffusion.md 2.4 evaluated on the real ragged call pattern;
-- ``eff``: measured speedup / predicted speedup (1.0 = the loop adds no overhead beyond the
-  network calls the cost model counts).
+- ``BE``: block efficiency, denoising steps advanced per round; ``tgt``, ``draft``: sequential target and
+  draft calls per sample; ``states``: target states evaluated per sample (CFG not doubled);
+- ``speedup``: measured speedup over ``target_only``. All arms run on the same samples and seeds,
+  interleaved batch by batch (every arm runs a batch before any runs the next; the order rotates every
+  batch and repetition); the median over repetitions of the paired ratio target_only time / arm time;
+- ``pred``: the speedup predicted from the calls the loop really made, each priced at its own shape.
+  The calls (a :class:`Denoiser` forward: the UNet on every row fed, CFG included) are counted by
+  wrapping that method in an untimed pass (which also warms every arm up), by shape: model (target or
+  draft) and rows fed. The rows are the batch for target_only and the final step, the round's rows
+  for a Frozen round's first call and the model drafter's calls, and the states to verify (up to
+  gamma per row) for a verify call, fewer in the tail rounds as rows finish. Every shape used is timed
+  in the same run, in rounds spread over it (one before every arm's batch, each shape in turn; the
+  median over rounds): a grid of row counts (powers of two, the largest count used, and every count
+  that makes >= 10 % of some arm's calls of that model), linear in between. Predicted time = sum over
+  calls of the cost of the call's shape;
+- ``eff`` = speedup / pred (1.0: no more loop overhead than target_only's own loop);
+- ``ovh`` = time / predicted time of the arm's own calls (its loop overhead factor);
+- ``run-eff``: the efficiency again, with every timed run split into the time inside its own denoiser
+  calls and the rest (its loop): (share of the arm's time in calls) / (share of target_only's), medians
+  over repetitions. Both shares come from the same runs, so this is robust to a machine whose load
+  changes between the cost timings and the runs (CPU devices only: on a GPU a call returns before its
+  work is done). ``eff`` and ``run-eff`` agree when the calls cost in the loop what they cost alone;
+- ``loop/rnd``: the time outside the calls per loop iteration in ms (a round; target_only: a step),
+  from the same split (on a GPU: time - predicted time), over the iterations, where a batch's
+  iterations are its slowest row's rounds.
 
-Run: ``OMP_NUM_THREADS=1 python bench/diffusion.py [--device cuda] [--samples 2] [--out bench.json]``.
-Sample counts are small (one batch per configuration); numbers are indicative.
+Both clocks are measured: wall time, and process CPU time, which leaves out the time the process
+waits for a core on a shared machine (valid for single-threaded CPU runs only). The main columns use
+``--clock`` (auto: cpu on a CPU device, wall on CUDA); the last two columns give the other clock.
+
+    python bench/diffusion.py [--quick] [--steps 100,1000] [--json out.json] [--device cpu] [--clock auto|wall|cpu]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import platform
 import statistics
+import sys
 import time
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
 
 import torch
 
-from specray.methods.diffusion import loop as diffusion_loop
-from specray.models.diffusion import load_pair
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-ARMS = [(method, drafter) for method in ("spec_token", "spec_block") for drafter in ("frozen", "free", "model")]
+from specray.methods.diffusion.loop import run_batch  # noqa: E402
+from specray.models.diffusion import Denoiser, load_pair  # noqa: E402
+from specray.models.pair import ModelPair  # noqa: E402
 
+TARGET, DRAFT = "digits-ddpm", "digits-ddpm-draft"
+ROLES = ("target", "draft")
 
-def call_latency(model, n: int, device: torch.device, reps: int = 5) -> float:
-    x = torch.randn(n, 1, 8, 8, device=device)
-    t = torch.full((n,), 500, dtype=torch.int64, device=device)
-    y = torch.zeros(n, dtype=torch.int64, device=device)
-    model(x, t, y)
-    times = []
-    for _ in range(reps):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        model(x, t, y)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+# (row name, method, drafter); gamma and K come from the command line.
+ARMS: list[tuple[str, str, str | None]] = [("target_only", "target_only", None)] + [
+    (f"{method.removeprefix('spec_')} {drafter}", method, drafter)
+    for method in ("spec_token", "spec_block") for drafter in ("frozen", "free", "model")
+]
 
 
-class CallRecorder(torch.nn.Module):
-    """Wraps a denoiser and records the batch size of every call (the loop's actual call pattern)."""
+# ---- clocks, shapes: generic helpers -----------------------------------------------------------------
 
-    def __init__(self, model) -> None:
-        super().__init__()
-        self.model = model
-        self.sizes: list[int] = []
-
-    def forward(self, x, timesteps, labels, guidance_scale=1.0):
-        self.sizes.append(int(x.shape[0]))
-        return self.model(x, timesteps, labels, guidance_scale)
+# Every timing reads both clocks. "wall": time.perf_counter. "cpu": process CPU time, which on a
+# shared machine leaves out the time the process waits for a core (a fair clock for single-threaded
+# torch on CPU only: it misses asynchronous GPU work).
+CLOCK_NAMES = ("wall", "cpu")
 
 
-GRID = [1, 2, 4, 8, 16, 32, 64, 128, 256]
+def stamp() -> tuple[float, float]:
+    return time.perf_counter(), time.process_time()
 
 
-def interpolate(latency: dict[int, float], n: int) -> float:
-    """Per-call latency at batch n, linear between the measured grid points."""
-    if n <= 0:
-        return 0.0
-    lower = max(g for g in GRID if g <= n) if n >= 1 else 1
-    upper = min((g for g in GRID if g >= n), default=GRID[-1])
-    if upper == lower:
-        return latency[lower] * (n / lower if n > GRID[-1] else 1.0)
-    w = (n - lower) / (upper - lower)
-    return (1 - w) * latency[lower] + w * latency[upper]
+def since(start: tuple[float, float]) -> dict[str, float]:
+    end = stamp()
+    return {name: end[i] - start[i] for i, name in enumerate(CLOCK_NAMES)}
 
 
-def run(pair, method: str, params: dict, labels: torch.Tensor, ids: torch.Tensor, seed: int):
-    if pair.device.type == "cuda":
-        torch.cuda.synchronize()
-    start = time.perf_counter()
-    result = diffusion_loop.run_batch(method, params, pair, labels, ids, seed)
-    if pair.device.type == "cuda":
-        torch.cuda.synchronize()
-    return result, time.perf_counter() - start
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--target", default="digits-ddpm")
-    parser.add_argument("--draft", default="digits-ddpm-draft")
-    parser.add_argument("--steps", type=int, nargs="+", default=[100, 1000])
-    parser.add_argument("--batches", type=int, nargs="+", default=[1, 32])
-    parser.add_argument("--samples", type=int, default=1, help="batches per configuration (batch 1: samples)")
-    parser.add_argument("--gamma", type=int, default=7)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", default=None, help="write the rows as JSON here")
-    args = parser.parse_args()
-    torch.set_num_threads(1) if args.device == "cpu" else None
+def shape_key(role: str, rows: int) -> str:
+    """Key of one kind of denoiser call: model and rows fed."""
+    return f"{role}:{rows}"
+
+
+def parse_shape(key: str) -> tuple[str, int]:
+    role, rows = key.split(":")
+    return role, int(rows)
+
+
+def linear_between(grid: dict[int, float], x: int) -> float:
+    """``grid[x]`` if measured, else linear between the nearest measured points on either side."""
+    if x in grid:
+        return grid[x]
+    lo = max(g for g in grid if g < x)
+    hi = min(g for g in grid if g > x)
+    return grid[lo] + (grid[hi] - grid[lo]) * (x - lo) / (hi - lo)
+
+
+# ---- counting the calls -------------------------------------------------------------------------
+
+
+@dataclass
+class CallCounts:
+    """Denoiser calls of one arm over the bench's samples, by shape, and the loop's iterations."""
+
+    shapes: dict[str, int]  # shape_key(role, rows) -> calls
+    iterations: int  # rounds (target_only: steps) summed over batches; a batch runs until its slowest row
+
+    def total(self, role: str) -> int:
+        return sum(n for key, n in self.shapes.items() if parse_shape(key)[0] == role)
+
+
+def batches_of(samples: int, batch: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Sample ids 0..samples-1 in batches; label = sample id mod 10 (every class appears)."""
+    out = []
+    for start in range(0, samples, batch):
+        sids = torch.arange(start, min(start + batch, samples), dtype=torch.int64)
+        out.append((sids % 10, sids))
+    return out
+
+
+def run_arm(method: str, params: dict[str, Any], pair: ModelPair, work: list,
+            seed: int) -> tuple[dict[str, float], list]:
+    """Time one arm on every batch of ``work`` (both clocks); returns the time and each batch's stats."""
+    _sync(pair.device)
+    start = stamp()
+    stats = [run_batch(method, params, pair, labels, sids, seed).stats for labels, sids in work]
+    _sync(pair.device)
+    return since(start), stats
+
+
+class TimeInCalls:
+    """Within the block, the time spent inside :meth:`Denoiser.forward` (both clocks), so that a run's
+    time splits into its calls and its loop (CPU devices only: on a GPU a call returns before its work
+    is done)."""
+
+    def __enter__(self) -> dict[str, float]:
+        self.inside = dict.fromkeys(CLOCK_NAMES, 0.0)
+        self.original = original = Denoiser.forward
+
+        def timed(model: Denoiser, *args: Any, **kwargs: Any) -> torch.Tensor:
+            start = stamp()
+            out = original(model, *args, **kwargs)
+            for clock, t in since(start).items():
+                self.inside[clock] += t
+            return out
+
+        Denoiser.forward = timed  # type: ignore[method-assign]
+        return self.inside
+
+    def __exit__(self, *exc: Any) -> None:
+        Denoiser.forward = self.original  # type: ignore[method-assign]
+
+
+def count_calls(method: str, params: dict[str, Any], pair: ModelPair, work: list, seed: int) -> tuple[CallCounts, list]:
+    """Untimed pass with :meth:`Denoiser.forward` wrapped: every call counted by model and rows fed."""
+    counts: Counter[str] = Counter()
+    original = Denoiser.forward
+
+    def counted(self: Denoiser, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        counts[shape_key("target" if self is pair.target else "draft", x.shape[0])] += 1
+        return original(self, x, *args, **kwargs)
+
+    Denoiser.forward = counted  # type: ignore[method-assign]
+    try:
+        _, stats = run_arm(method, params, pair, work, seed)
+    finally:
+        Denoiser.forward = original  # type: ignore[method-assign]
+    if method == "target_only":
+        iterations = params["num_steps"] * len(work)
+    else:
+        iterations = sum(max(s.num_spec_steps for s in batch_stats) for batch_stats in stats)
+    return CallCounts(dict(sorted(counts.items())), iterations), [s for batch_stats in stats for s in batch_stats]
+
+
+# ---- pricing the calls --------------------------------------------------------------------------
+
+
+def rows_to_time(counts: list[CallCounts]) -> dict[str, list[int]]:
+    """Per model, the row counts whose cost is measured: powers of two below the largest count used,
+    the largest, and every count that makes at least 10 % of some arm's calls of that model."""
+    out = {}
+    for role in ROLES:
+        used = [(parse_shape(key)[1], n, c.total(role)) for c in counts for key, n in c.shapes.items()
+                if parse_shape(key)[0] == role]
+        if not used:
+            continue
+        top = max(rows for rows, _, _ in used)
+        common = {rows for rows, n, total in used if n >= 0.1 * total}
+        out[role] = sorted({1 << k for k in range(top.bit_length()) if 1 << k < top} | common | {top})
+    return out
+
+
+def _call_of_shape(model: Denoiser, rows: int, num_train_timesteps: int, image_shape: tuple[int, ...],
+                   guidance_scale: float, gen: torch.Generator, device: torch.device) -> Any:
+    """A zero-argument function making one denoiser call on ``rows`` rows, as the loops make it (under
+    the denoiser's own ``no_grad``, not ``inference_mode``)."""
+    x = torch.randn(rows, *image_shape, generator=gen).to(device)
+    t = torch.randint(0, num_train_timesteps, (rows,), generator=gen).to(device)
+    labels = (torch.arange(rows) % 10).to(device)
+    return lambda: model(x, t, labels, guidance_scale)
+
+
+class CallCosts:
+    """Per-call cost of every shape to time, measured in rounds spread over the run: each round times
+    every shape once (as many back-to-back calls as take ~25 ms, at least one), and a shape's cost is
+    the median over rounds. The bench runs a round before every arm's batch, so the costs see the
+    machine's load as the arms do."""
+
+    def __init__(self, pair: ModelPair, rows: dict[str, list[int]], guidance_scale: float) -> None:
+        self.device = pair.device
+        gen = torch.Generator().manual_seed(0)
+        steps = pair.info["scheduler"].config.num_train_timesteps
+        self.calls: dict[str, tuple[Any, int]] = {}
+        for role, counts in rows.items():
+            model = pair.target if role == "target" else pair.draft
+            for n in counts:
+                call = _call_of_shape(model, n, steps, pair.info["image_shape"], guidance_scale, gen, self.device)
+                call()  # warm-up
+                _sync(self.device)
+                start = stamp()
+                call()  # the size of a timing
+                _sync(self.device)
+                self.calls[shape_key(role, n)] = call, min(20, max(1, round(0.025 / max(since(start)["wall"], 1e-6))))
+        self.times: dict[str, dict[str, list[float]]] = {clock: {key: [] for key in self.calls}
+                                                         for clock in CLOCK_NAMES}
+
+    def time_round(self) -> None:
+        for key, (call, n) in self.calls.items():
+            _sync(self.device)
+            start = stamp()
+            for _ in range(n):
+                call()
+            _sync(self.device)
+            for clock, t in since(start).items():
+                self.times[clock][key].append(t / n)
+
+    def seconds(self) -> dict[str, dict[str, float]]:
+        """``{clock: {shape key: median seconds per call}}``."""
+        return {clock: {key: statistics.median(ts) for key, ts in self.times[clock].items()} for clock in CLOCK_NAMES}
+
+
+def shape_cost(key: str, costs: dict[str, float]) -> float:
+    """Cost of one call of shape ``key``: measured, or linear in rows between the nearest timed counts."""
+    role, rows = parse_shape(key)
+    grid = {parse_shape(k)[1]: c for k, c in costs.items() if parse_shape(k)[0] == role}
+    return linear_between(grid, rows)
+
+
+def predicted_time(counts: CallCounts, costs: dict[str, float]) -> float:
+    """Sum over the arm's calls of each call's cost at its own shape."""
+    return sum(n * shape_cost(key, costs) for key, n in counts.shapes.items())
+
+
+# ---- the bench ----------------------------------------------------------------------------------
+
+
+@dataclass
+class ClockResult:
+    """Timing of one arm under one clock."""
+
+    s_per_sample: float  # median over repetitions
+    speedup: float  # median over repetitions of (target_only time / this arm's time), same repetition
+    predicted_speedup: float  # from the call counts and this clock's per-call costs
+    efficiency: float  # speedup / predicted_speedup
+    overhead: float  # median time / predicted time of the arm's own calls
+    loop_s_per_iteration: float  # median time outside the calls (in-run split; else time - predicted time) / iterations
+    run_efficiency: float | None  # efficiency with each run's own time in calls for the predicted (CPU only)
+    reps_s: list[float] = field(default_factory=list)
+    reps_loop_s: list[float] = field(default_factory=list)  # time outside the calls, per repetition (CPU only)
+
+
+@dataclass
+class ArmResult:
+    name: str
+    method: str
+    params: dict[str, Any]
+    num_steps: int
+    batch: int
+    samples: int
+    block_efficiency: float
+    target_calls: float  # per sample
+    draft_calls: float  # per sample
+    states_evaluated: float  # per sample
+    calls: CallCounts
+    clocks: dict[str, ClockResult]
+
+
+def arm_params(method: str, drafter: str | None, num_steps: int, gamma: int) -> dict[str, Any]:
+    return {"num_steps": num_steps} | ({} if drafter is None else {"drafter": drafter, "gamma": gamma})
+
+
+def bench_config(pair: ModelPair, num_steps: int, batch: int, samples: int, reps: int, gamma: int,
+                 seed: int) -> tuple[list[ArmResult], dict[str, dict[str, float]]]:
+    work = batches_of(samples, batch)
+    arms = [(name, method, arm_params(method, drafter, num_steps, gamma)) for name, method, drafter in ARMS]
+    # The untimed counting pass doubles as the warm-up (allocator, kernels) of every arm.
+    counted = {name: count_calls(method, params, pair, work, seed) for name, method, params in arms}
+    rows = rows_to_time([c for c, _ in counted.values()])
+    guidance = arms[0][2].get("guidance_scale", 1.0)
+
+    times: dict[str, list[dict[str, float]]] = {name: [] for name, _, _ in arms}
+    loop_times: dict[str, list[dict[str, float]]] = {name: [] for name, _, _ in arms}
+    split = pair.device.type == "cpu"
+    call_costs = CallCosts(pair, rows, guidance)
+    for rep in range(reps):
+        elapsed = {name: dict.fromkeys(CLOCK_NAMES, 0.0) for name, _, _ in arms}
+        in_calls = {name: dict.fromkeys(CLOCK_NAMES, 0.0) for name, _, _ in arms}
+        for i, one_batch in enumerate(work):  # every arm runs a batch before the next: drift hits them alike
+            turn = (rep + i) % len(arms)
+            for name, method, params in arms[turn:] + arms[:turn]:  # the order rotates
+                call_costs.time_round()
+                with TimeInCalls() if split else contextlib.nullcontext(dict.fromkeys(CLOCK_NAMES, 0.0)) as inside:
+                    t, _ = run_arm(method, params, pair, [one_batch], seed)
+                for clock in CLOCK_NAMES:
+                    elapsed[name][clock] += t[clock]
+                    in_calls[name][clock] += inside[clock]
+        for name in times:
+            times[name].append(elapsed[name])
+            loop_times[name].append({c: elapsed[name][c] - in_calls[name][c] for c in CLOCK_NAMES})
+    costs = call_costs.seconds()
+
+    base_name = arms[0][0]
+    results = []
+    for name, method, params in arms:
+        counts, stats = counted[name]
+        clocks = {}
+        for clock in CLOCK_NAMES:
+            mine = [t[clock] for t in times[name]]
+            base = [t[clock] for t in times[base_name]]
+            pred_time = predicted_time(counts, costs[clock])
+            predicted = predicted_time(counted[base_name][0], costs[clock]) / pred_time
+            speedup = statistics.median(b / m for b, m in zip(base, mine))
+            loop = [t[clock] for t in loop_times[name]] if split else []
+            clocks[clock] = ClockResult(
+                s_per_sample=statistics.median(mine) / samples, speedup=speedup, predicted_speedup=predicted,
+                efficiency=speedup / predicted, overhead=statistics.median(mine) / pred_time,
+                loop_s_per_iteration=(statistics.median(loop) if split else statistics.median(mine) - pred_time)
+                / counts.iterations,
+                run_efficiency=call_share(loop, mine) / call_share([t[clock] for t in loop_times[base_name]], base)
+                if split else None,
+                reps_s=mine, reps_loop_s=loop,
+            )
+        mean = lambda f: sum(f(s) for s in stats) / len(stats)  # noqa: E731
+        results.append(ArmResult(
+            name=name, method=method, params=params, num_steps=num_steps, batch=batch, samples=samples,
+            block_efficiency=mean(lambda s: s.extra["block_efficiency"]), target_calls=mean(lambda s: s.target_calls),
+            draft_calls=mean(lambda s: s.draft_calls), states_evaluated=mean(lambda s: s.extra["states_evaluated"]),
+            calls=counts, clocks=clocks,
+        ))
+    return results, costs
+
+
+def call_share(loop: list[float], total: list[float]) -> float:
+    """Median over repetitions of the share of the time spent in the calls."""
+    return statistics.median(1 - lo / t for lo, t in zip(loop, total))
+
+
+def print_table(num_steps: int, batch: int, samples: int, reps: int, costs: dict[str, dict[str, float]],
+                results: list[ArmResult], clock: str, gamma: int) -> None:
+    other = next(c for c in CLOCK_NAMES if c != clock)
+    c = costs[clock]
+    timed = {role: sorted(parse_shape(k)[1] for k in c if parse_shape(k)[0] == role) for role in ROLES}
+
+    def ms(role: str, rows: int) -> str:
+        inside = timed[role] and timed[role][0] <= rows <= timed[role][-1]
+        return f"{shape_cost(shape_key(role, rows), c) * 1e3:.2f} ms" if inside else "-"
+
+    print(f"\n## K={num_steps}, batch {batch}: {samples} samples, {reps} reps, {clock} clock; per call: "
+          f"target on {batch} rows {ms('target', batch)}, on {gamma * batch} rows {ms('target', gamma * batch)}, "
+          f"draft on {batch} rows {ms('draft', batch)}")
+    print(f"   rows timed: target {timed['target']}, draft {timed['draft']}; linear in between")
+    header = (f"{'method':<13} {'BE':>5} {'tgt':>6} {'draft':>6} {'states':>7} {'ms/sample':>10} {'speedup':>8} "
+              f"{'pred':>6} {'eff':>5} {'ovh':>5} {'run-eff':>7} {'loop/rnd':>8} | {'speedup':>8} {'eff':>5} ({other})")
+    print(header)
+    print("-" * len(header))
+    for r in results:
+        m, o = r.clocks[clock], r.clocks[other]
+        run_eff = "-" if m.run_efficiency is None else f"{m.run_efficiency:.2f}"
+        print(f"{r.name:<13} {r.block_efficiency:>5.2f} {r.target_calls:>6.1f} {r.draft_calls:>6.1f} "
+              f"{r.states_evaluated:>7.1f} {m.s_per_sample * 1e3:>10.1f} {m.speedup:>8.2f} {m.predicted_speedup:>6.2f} "
+              f"{m.efficiency:>5.2f} {m.overhead:>5.2f} {run_eff:>7} {m.loop_s_per_iteration * 1e3:>8.2f} | "
+              f"{o.speedup:>8.2f} {o.efficiency:>5.2f}", flush=True)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--gamma", type=int, default=7)
+    ap.add_argument("--steps", default=None, help="comma-separated numbers of steps K (default 100, quick 50)")
+    ap.add_argument("--batches", default="1,32", help="comma-separated batch sizes")
+    ap.add_argument("--samples-b1", type=int, default=None, help="samples at batch 1 (default 3, quick 2)")
+    ap.add_argument("--batches-large", type=int, default=1, help="number of batches at batch sizes > 1")
+    ap.add_argument("--reps", type=int, default=None, help="timed repetitions (default 6, quick 2)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (1 for stable timing)")
+    ap.add_argument("--quick", action="store_true", help="K=50, fewer samples and repetitions (~2 min)")
+    ap.add_argument("--json", type=Path, default=None, help="write the results as JSON here")
+    ap.add_argument("--clock", choices=("auto", *CLOCK_NAMES), default="auto",
+                    help="clock of the main columns (both are measured and stored); auto: cpu on a CPU "
+                         "device (robust on a shared machine), wall on CUDA")
+    args = ap.parse_args(argv)
+
+    torch.set_num_threads(args.threads)
+    steps = [int(k) for k in (args.steps or ("50" if args.quick else "100")).split(",")]
+    samples_b1 = args.samples_b1 or (2 if args.quick else 3)
+    reps = args.reps or (2 if args.quick else 6)
     device = torch.device(args.device)
-    pair = load_pair(args.target, args.draft, device)
-    # per-call latency on a grid of batch sizes, measured once up front
-    target_latency = {n: call_latency(pair.target, n, device) for n in GRID}
-    draft_latency = {n: call_latency(pair.draft, n, device) for n in GRID}
-    cache = {("target", n): v for n, v in target_latency.items()} | {("draft", n): v for n, v in draft_latency.items()}
-    target_rec, draft_rec = CallRecorder(pair.target), CallRecorder(pair.draft)
-    pair.target, pair.draft = target_rec, draft_rec
-
-    def predicted_calls_time() -> float:
-        """Sum of the measured per-call latencies over the calls the loop actually made."""
-        t = sum(interpolate(target_latency, n) for n in target_rec.sizes) + sum(interpolate(draft_latency, n) for n in draft_rec.sizes)
-        target_rec.sizes.clear()
-        draft_rec.sizes.clear()
-        return t
-
-    rows = []
-    print(f"device={device} gamma={args.gamma} batches/config={args.samples} (small sample counts: indicative numbers)")
-    header = f"{'K':>5} {'B':>3} {'method':<11} {'drafter':<7} {'BE':>6} {'steps/call':>10} {'calls':>7} {'states':>7} {'wall_s':>8} {'speedup':>7} {'pred':>6} {'eff':>5}"
-    for K in args.steps:
-        for B in args.batches:
-            print(header)
-            base_time = 0.0
-            base_pred_time = 0.0
-            results = {}
-            for rep in range(args.samples):
-                labels = torch.arange(rep * B, (rep + 1) * B) % 10
-                ids = torch.arange(rep * B, (rep + 1) * B)
-                predicted_calls_time()
-                _, wall = run(pair, "target_only", {"num_steps": K}, labels, ids, args.seed)
-                base_time += wall
-                base_pred_time += predicted_calls_time()
-                for method, drafter in ARMS:
-                    params = {"num_steps": K, "drafter": drafter, "gamma": args.gamma}
-                    result, wall = run(pair, method, params, labels, ids, args.seed)
-                    acc = results.setdefault((method, drafter), {"wall": 0.0, "stats": [], "pred_time": 0.0})
-                    acc["wall"] += wall
-                    acc["pred_time"] += predicted_calls_time()
-                    acc["stats"].extend(result.stats)
-            rows.append({"K": K, "B": B, "method": "target_only", "drafter": None, "wall_s": base_time, "speedup": 1.0})
-            print(f"{K:>5} {B:>3} {'target_only':<11} {'-':<7} {1.0:>6.2f} {1.0:>10.2f} {K:>7} {K:>7} {base_time:>8.2f} {1.0:>7.2f} {1.0:>6.2f} {1.0:>5.2f}")
-            for (method, drafter), acc in results.items():
-                stats = acc["stats"]
-                mean = lambda f: sum(f(s) for s in stats) / len(stats)  # noqa: E731
-                be = mean(lambda s: s.extra["block_efficiency"])
-                calls = mean(lambda s: s.target_calls)
-                states = mean(lambda s: s.extra["states_evaluated"])
-                speedup = base_time / acc["wall"]
-                pred = base_pred_time / acc["pred_time"]
-                row = {"K": K, "B": B, "method": method, "drafter": drafter, "block_efficiency": be,
-                       "steps_per_target_call": K / calls, "target_calls": calls, "states_evaluated": states,
-                       "wall_s": acc["wall"], "speedup": speedup, "predicted_speedup": pred, "efficiency": speedup / pred,
-                       "n_samples": len(stats)}
-                rows.append(row)
-                print(f"{K:>5} {B:>3} {method:<11} {drafter:<7} {be:>6.2f} {K / calls:>10.2f} {calls:>7.1f} {states:>7.1f} "
-                      f"{acc['wall']:>8.2f} {speedup:>7.2f} {pred:>6.2f} {speedup / pred:>5.2f}")
-            for drafter in ("frozen", "free", "model"):
-                tok, blk = results[("spec_token", drafter)], results[("spec_block", drafter)]
-                print(f"      block vs token ({drafter}): wall clock {tok['wall'] / blk['wall'] - 1:+.1%}")
-    print("per-call latency (s):", {f"{k[0]}[{k[1]}]": round(v, 5) for k, v in sorted(cache.items())})
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"rows": rows, "latency": {f"{k[0]}[{k[1]}]": v for k, v in cache.items()}}, f, indent=2)
+    clock = args.clock if args.clock != "auto" else ("cpu" if device.type == "cpu" else "wall")
+    pair = load_pair(TARGET, DRAFT, device)
+    print(f"# specray diffusion bench: {TARGET} vs {DRAFT} on {device} ({torch.get_num_threads()} thread(s), "
+          f"torch {torch.__version__}), gamma={args.gamma}, seed={args.seed}")
+    started = time.perf_counter()
+    report: dict[str, Any] = {
+        "target": TARGET, "draft": DRAFT, "device": str(device), "gamma": args.gamma, "seed": args.seed,
+        "threads": torch.get_num_threads(), "torch": torch.__version__, "python": platform.python_version(),
+        "quick": args.quick, "clock": clock, "configs": [],
+    }
+    for num_steps in steps:
+        for batch in [int(b) for b in args.batches.split(",")]:
+            samples = samples_b1 if batch == 1 else batch * args.batches_large
+            results, costs = bench_config(pair, num_steps, batch, samples, reps, args.gamma, args.seed)
+            print_table(num_steps, batch, samples, reps, costs, results, clock, args.gamma)
+            report["configs"].append({"num_steps": num_steps, "batch": batch, "samples": samples, "reps": reps,
+                                      "call_costs_s": costs, "arms": [asdict(r) for r in results]})
+    report["bench_wall_s"] = time.perf_counter() - started
+    print(f"\n# BE: steps per round; tgt, draft: sequential calls per sample; states: target states per sample; "
+          f"speedup: vs target_only, median of paired reps; pred: predicted from the calls, each priced at its "
+          f"own shape; eff = speedup / pred; ovh = time / predicted time; run-eff: eff from each run's own split "
+          f"into calls and loop; loop/rnd: ms outside the calls per round (target_only: per step). "
+          f"Bench took {report['bench_wall_s']:.0f} s.")
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(report, indent=2))
+        print(f"# wrote {args.json}")
 
 
 if __name__ == "__main__":

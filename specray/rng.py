@@ -39,17 +39,89 @@ def _shr(x: torch.Tensor, k: int) -> torch.Tensor:
     return (x >> k) & ((1 << (64 - k)) - 1)
 
 
+# _mix's constants as 0-dim CPU tensors, which every device takes as scalars: an op with a tensor
+# operand skips wrapping a Python number, which costs as much as the op on a small tensor.
+_MIX_SHIFTS = {k: (torch.tensor(k), torch.tensor((1 << (64 - k)) - 1)) for k in (30, 27, 31)}
+_GOLDEN_T, _MUL1_T, _MUL2_T = torch.tensor(_GOLDEN), torch.tensor(_MUL1), torch.tensor(_MUL2)
+
+
+def _xor_shr(z: torch.Tensor, k: int) -> None:
+    """``z ^= _shr(z, k)`` in place."""
+    shift, mask = _MIX_SHIFTS[k]
+    high = z >> shift
+    high &= mask
+    z ^= high
+
+
 def _mix(z: torch.Tensor) -> torch.Tensor:
-    z = z + _GOLDEN
-    z = (z ^ _shr(z, 30)) * _MUL1
-    z = (z ^ _shr(z, 27)) * _MUL2
-    return z ^ _shr(z, 31)
+    z = z + _GOLDEN_T
+    _xor_shr(z, 30)
+    z *= _MUL1_T
+    _xor_shr(z, 27)
+    z *= _MUL2_T
+    _xor_shr(z, 31)
+    return z
+
+
+_U64 = (1 << 64) - 1
+
+
+def _mix_int(z: int) -> int:
+    """:func:`_mix` on a Python int (same int64 bit pattern), for the key fields every draw shares."""
+    z = (z + _GOLDEN) & _U64
+    z = ((z ^ (z >> 30)) * _MUL1) & _U64
+    z = ((z ^ (z >> 27)) * _MUL2) & _U64
+    z ^= z >> 31
+    return z - (1 << 64) if z >> 63 else z
 
 
 def _as_long(x: TensorLike, device: torch.device | str | None) -> torch.Tensor:
     if isinstance(x, torch.Tensor):
         return x.to(device=device, dtype=torch.int64)
     return torch.as_tensor(x, dtype=torch.int64, device=device)
+
+
+def stream_hash(seed: int, sample_ids: TensorLike, stream: str | int,
+                device: torch.device | str | None = None) -> torch.Tensor:
+    """The hash of a key's first fields (seed, sample_id, stream), shaped like ``sample_ids``.
+
+    A loop that draws from one stream many times hashes these once; :func:`extend_hash` adds
+    ``position`` and ``step``, :func:`bits_at` (and :func:`uniform_at`, :func:`normal_at`) expands
+    the key into draws, exactly as :func:`random_bits` does.
+    """
+    if device is None and isinstance(sample_ids, torch.Tensor):
+        device = sample_ids.device
+    h = _mix(_mix_int(int(seed) & 0x7FFFFFFFFFFFFFFF) ^ _as_long(sample_ids, device))
+    return _mix(h ^ stream_id(stream))
+
+
+def extend_hash(h: torch.Tensor, position: TensorLike = 0, step: TensorLike = 0) -> torch.Tensor:
+    """A :func:`stream_hash` with ``position`` then ``step`` mixed in (all broadcast together)."""
+    h = _mix(h ^ _key_field(position, h.device))
+    return _mix(h ^ _key_field(step, h.device))
+
+
+def _key_field(x: TensorLike, device: torch.device) -> torch.Tensor | int:
+    return x if isinstance(x, int) else _as_long(x, device)  # an int needs no tensor
+
+
+_INDEX_KEYS: dict[tuple[tuple[int, ...], str], torch.Tensor] = {}
+
+
+def _index_keys(shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """``arange(prod(shape)).reshape(shape) * golden``: what element j of a draw's trailing shape mixes in."""
+    key = (shape, str(device))
+    if key not in _INDEX_KEYS:
+        _INDEX_KEYS[key] = torch.arange(math.prod(shape), dtype=torch.int64, device=device).reshape(shape) * _GOLDEN
+    return _INDEX_KEYS[key]
+
+
+def bits_at(h: torch.Tensor, shape: Sequence[int] = ()) -> torch.Tensor:
+    """64 random bits per element of ``h.shape + shape`` from the key hashes ``h`` (:func:`extend_hash`)."""
+    trailing = tuple(int(s) for s in shape)
+    if not trailing:
+        return _mix(h)  # element 0's key mixes in 0
+    return _mix(h[(...,) + (None,) * len(trailing)] ^ _index_keys(trailing, h.device))
 
 
 def random_bits(
@@ -69,22 +141,30 @@ def random_bits(
     """
     if device is None and isinstance(sample_ids, torch.Tensor):
         device = sample_ids.device
-    sid = _as_long(sample_ids, device)
-    pos = _as_long(position, device)
-    stp = _as_long(step, device)
-    sid, pos, stp = torch.broadcast_tensors(sid, pos, stp)
-    batch_shape = tuple(sid.shape)
-    trailing = tuple(int(s) for s in shape)
-    n = math.prod(trailing)
-    expand = (...,) + (None,) * len(trailing)
+    sid, pos, stp = torch.broadcast_tensors(_as_long(sample_ids, device), _as_long(position, device),
+                                            _as_long(step, device))
+    return bits_at(extend_hash(stream_hash(seed, sid, stream), pos, stp), shape)
 
-    h = _mix(torch.full(batch_shape, int(seed) & 0x7FFFFFFFFFFFFFFF, dtype=torch.int64, device=device))
-    h = _mix(h ^ sid)
-    h = _mix(h ^ stream_id(stream))
-    h = _mix(h ^ pos)
-    h = _mix(h ^ stp)
-    index = torch.arange(n, dtype=torch.int64, device=h.device).reshape(trailing)
-    return _mix(h[expand] ^ (index * _GOLDEN))
+
+def _to_uniform(bits: torch.Tensor) -> torch.Tensor:
+    return _shr(bits, 11).to(torch.float64) * (1.0 / (1 << 53))
+
+
+def _box_muller(u: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Standard normals from uniforms ``u[..., 2]``."""
+    u1 = 1.0 - u[..., 0]  # in (0, 1]: log is finite
+    radius = torch.sqrt(-2.0 * torch.log(u1))
+    return (radius * torch.cos(2.0 * math.pi * u[..., 1])).to(dtype)
+
+
+def uniform_at(h: torch.Tensor, shape: Sequence[int] = ()) -> torch.Tensor:
+    """:func:`uniform` from key hashes ``h`` (:func:`extend_hash`)."""
+    return _to_uniform(bits_at(h, shape))
+
+
+def normal_at(h: torch.Tensor, shape: Sequence[int] = (), dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """:func:`normal` from key hashes ``h`` (:func:`extend_hash`)."""
+    return _box_muller(uniform_at(h, tuple(int(s) for s in shape) + (2,)), dtype)
 
 
 def uniform(
@@ -97,8 +177,7 @@ def uniform(
     device: torch.device | str | None = None,
 ) -> torch.Tensor:
     """Uniforms in [0, 1) as float64 (53 random bits each)."""
-    bits = random_bits(seed, sample_ids, stream, position, step, shape, device)
-    return _shr(bits, 11).to(torch.float64) * (1.0 / (1 << 53))
+    return _to_uniform(random_bits(seed, sample_ids, stream, position, step, shape, device))
 
 
 def normal(
@@ -113,10 +192,7 @@ def normal(
 ) -> torch.Tensor:
     """Standard normals by Box-Muller on two independent uniforms per element."""
     shape = tuple(int(s) for s in shape)
-    u = uniform(seed, sample_ids, stream, position, step, shape + (2,), device)
-    u1 = 1.0 - u[..., 0]  # in (0, 1]: log is finite
-    radius = torch.sqrt(-2.0 * torch.log(u1))
-    return (radius * torch.cos(2.0 * math.pi * u[..., 1])).to(dtype)
+    return _box_muller(uniform(seed, sample_ids, stream, position, step, shape + (2,), device), dtype)
 
 
 def sample_categorical(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:

@@ -25,10 +25,12 @@ network calls; ``extra``: ``states_evaluated`` (target states, CFG not doubled),
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from specray import rng
@@ -36,7 +38,7 @@ from specray.families import Method, resolve
 from specray.methods.common import GenerationResult, RoundTally, SampleStats, bind_conditions
 from specray.methods.diffusion.params import Common, Speculative
 from specray.methods.diffusion.residual import reflect, sample_residual
-from specray.methods.diffusion.rules import block_verify, log_ratio, token_verify
+from specray.methods.diffusion.rules import Verdict, block_verify, log_ratio, token_verify
 
 FAMILY = "diffusion"
 DRAFTERS = ("frozen", "free", "model")
@@ -131,6 +133,11 @@ def speculative_chain(
     ``verification``: ``token`` or ``block``. ``rejection``: ``reflection`` (P25; exact for
     token verification only) or ``residual`` (psi_alpha). ``residual_alpha="one"`` is the
     wrong rule for block verification, kept for the negative-control test.
+
+    Every row takes part in every round until it is done, so a row's round counter is the loop's.
+    The host keeps its own copy of every row's step, updated from the round's one read of the
+    device (the accepted counts ``tau``, which the commit needs): the active rows, block lengths and
+    call shapes of the next round follow from it without waiting for the device again.
     """
     _check("drafter", drafter, DRAFTERS)
     _check("verification", verification, VERIFICATIONS)
@@ -141,104 +148,234 @@ def speculative_chain(
     if gamma < 1:
         raise ValueError(f"gamma must be >= 1, got {gamma}")
     device = x.device
-    batch, shape = x.shape[0], x.shape[1:]
-    K = chain.num_steps
+    batch, K = x.shape[0], chain.num_steps
     x = x.clone()
     k = torch.zeros(batch, dtype=torch.int64, device=device)
-    stale = torch.zeros_like(x)
-    has_stale = torch.zeros(batch, dtype=torch.bool, device=device)
+    # the free drafter's eps: each row's target eps of the state preceding its current one
+    stale = torch.zeros_like(x) if drafter == "free" else None
     stats = ChainStats(batch, gamma, K, device)
-
-    while True:
-        act = torch.nonzero(k < K).flatten()
-        if act.numel() == 0:
+    keys = _StreamKeys(seed, sample_ids)
+    tables = torch.stack([chain.A, chain.B, chain.sigma])  # [3, K], gathered once per round
+    all_rows = torch.arange(batch, device=device)
+    k_host = np.zeros(batch, dtype=np.int64)
+    active = np.arange(0)
+    for index in itertools.count():
+        was_active, active = active, np.flatnonzero(k_host < K)
+        if active.size == 0:
             break
-        n = act.numel()
-        kk, sid = k[act], sample_ids[act]
-        r = stats.rounds[act]
-        g = torch.clamp(K - kk, max=gamma)
-        G = int(g.max())
-        positions = torch.arange(G, device=device)
-        valid = positions[None, :] < g[:, None]
-        calls = torch.zeros(n, dtype=torch.int64, device=device)
-        states = torch.zeros(n, dtype=torch.int64, device=device)
-        draft_calls = torch.zeros(n, dtype=torch.int64, device=device)
-
-        y0 = x[act]
-        E = torch.zeros((n, G) + tuple(shape), dtype=x.dtype, device=device)
-        known = torch.zeros(n, G, dtype=torch.bool, device=device)
-        frozen = torch.full((n,), drafter == "frozen", device=device) | ((drafter == "free") & ~has_stale[act])
-        if frozen.any():  # the Frozen round's sequential call at the round start
-            f = torch.nonzero(frozen).flatten()
-            E[f, 0] = chain.target_eps(y0[f], kk[f], act[f])
-            known[f, 0] = True
-            calls[f] += 1
-            states[f] += 1
-        fixed_eps = torch.where(_bcast(frozen, y0), E[:, 0], stale[act])
-
-        xi = rng.normal(seed, sid[:, None], "draft", r[:, None], kk[:, None] + positions[None, :], shape=shape, device=device, dtype=torch.float64)
-        ys = [y0]
-        eps_draft = torch.zeros_like(E)
-        for j in range(G):
-            if drafter == "model":
-                live = torch.nonzero(valid[:, j]).flatten()
-                eps_draft[live, j] = chain.draft_eps(ys[j][live], kk[live] + j, act[live])
-                draft_calls[live] += 1
-            else:
-                eps_draft[:, j] = fixed_eps
-            ys.append(_step(chain, ys[j], eps_draft[:, j], kk + j, xi[:, j]))
-        Y = torch.stack(ys, dim=1)  # [n, G+1, ...]
-
-        need = valid & ~known  # the parallel verification pass
-        ri, ji = torch.nonzero(need, as_tuple=True)
-        if ri.numel():
-            E[ri, ji] = chain.target_eps(Y[ri, ji], kk[ri] + ji, act[ri])
-            calls += need.any(dim=1).to(torch.int64)
-            states += need.sum(dim=1)
-
-        Bk = _coef(chain.B, (kk[:, None] + positions[None, :]).flatten(), E.flatten(0, 1)).reshape((n, G) + (1,) * len(shape))
-        Sk = _coef(chain.sigma, (kk[:, None] + positions[None, :]).flatten(), E.flatten(0, 1)).reshape((n, G) + (1,) * len(shape))
-        if chain.clipped_mean is None:
-            Delta = Bk * (eps_draft.to(torch.float64) - E.to(torch.float64)) / Sk
-        else:  # not affine in eps: the difference of the two means (spec_diffusion 1.2)
-            flat_k = (kk[:, None] + positions[None, :]).flatten()
-            drafted = Y[:, :G].flatten(0, 1)
-            gap = _mean(chain, drafted, eps_draft.flatten(0, 1), flat_k) - _mean(chain, drafted, E.flatten(0, 1), flat_k)
-            Delta = gap.reshape(Sk.shape[:2] + gap.shape[1:]) / Sk
-        Delta = torch.where(_bcast(valid, Delta), Delta, torch.zeros_like(Delta))
-        log_rho, delta = log_ratio(Delta, xi)
-        eta = 1.0 - rng.uniform(seed, sid[:, None], "accept", r[:, None], kk[:, None] + positions[None, :], device=device)
-        verdict = (token_verify if verification == "token" else block_verify)(log_rho, delta, g, eta)
-        tau = verdict.tau
-
-        rows = torch.arange(n, device=device)
-        x_new = Y[rows, g].clone()
-        cut = torch.nonzero(tau < g).flatten()
-        if cut.numel():
-            t_c, k_c = tau[cut], kk[cut] + tau[cut]
-            m_q = _mean(chain, Y[cut, t_c], E[cut, t_c], k_c)
-            sigma_c = chain.sigma[k_c]
-            if rejection == "reflection":
-                x_new[cut] = reflect(m_q, Delta[cut, t_c], sigma_c, xi[cut, t_c]).to(x.dtype)
-            else:
-                log_alpha = verdict.log_alpha[cut] if residual_alpha == "w_tau" else torch.zeros_like(verdict.log_alpha[cut])
-                u = 1.0 - rng.uniform(seed, sid[cut], "residual", r[cut], k_c, device=device)
-                zeta = rng.normal(seed, sid[cut], "residual_noise", r[cut], k_c, shape=shape, device=device, dtype=torch.float64)
-                x_new[cut] = sample_residual(m_q, Delta[cut, t_c], sigma_c, log_alpha, u, zeta).to(x.dtype)
-
-        rejected = tau < g
-        src = torch.where(rejected, tau, g - 1)  # eps of the state preceding the new one (spec 2.3)
-        stale[act] = E[rows, src]
-        has_stale[act] = True
-        x[act] = x_new
-        k[act] = kk + torch.where(rejected, tau + 1, g)
-
-        # block slot j is step kk + j; tau <= g, so the accepted slots lie within the drafted ones
-        stats.observe(act, kk[:, None] + positions[None, :], valid, positions[None, :] < tau[:, None])
-        stats.add_calls(act, target=calls, draft=draft_calls)
-        stats.states_evaluated[act] += states
-        stats.expected_advance[act] += verdict.expected_advance.to(stats.expected_advance.device)
+        if not np.array_equal(active, was_active):  # the round's batch rows, rebuilt only when rows finish
+            act = None if active.size == batch else _on(device, active)
+        frozen = drafter == "frozen" or (drafter == "free" and index == 0)  # every row is new in round 0
+        rnd = _new_round(index, act, all_rows, k, gamma, np.minimum(gamma, K - k_host[active]), frozen, tables, stats)
+        row_stale = stale if stale is None else _rows(stale, act)
+        x_new, stale_new, k_new, tau_host = _round(chain, rnd, _rows(x, act), row_stale, keys, stats, drafter,
+                                                   verification, rejection, residual_alpha)
+        if act is None:
+            x, stale, k = x_new, stale_new, k_new
+        else:
+            x[act], k[act] = x_new, k_new
+            if stale is not None:
+                stale[act] = stale_new
+        k_host[active] += np.where(tau_host < rnd.g_host, tau_host + 1, rnd.g_host)
+    stats.flush()
+    # A round evaluates every drafted state with the target (the Frozen call the first, the verify call
+    # the rest), and the model drafter makes one call per drafted state.
+    stats.states_evaluated += stats.drafted
+    if drafter == "model":
+        stats.draft_calls += stats.drafted
     return x, stats
+
+
+class _StreamKeys:
+    """The per-row hashes of (seed, sample id, stream) of the speculative streams, made once per run
+    (``rng.stream_hash``); a round mixes in its position and steps (``rng.extend_hash``)."""
+
+    def __init__(self, seed: int, sample_ids: torch.Tensor) -> None:
+        hashes = lambda *streams: torch.stack([rng.stream_hash(seed, sample_ids, s) for s in streams])  # noqa: E731
+        self.draft_accept = hashes("draft", "accept")  # [2, batch]
+        self.residual = hashes("residual", "residual_noise")  # [2, batch]
+
+
+@dataclass
+class _Round:
+    """One round of batch rows ``act`` (None: every row, in order; ``label_rows``: the rows either way;
+    ``row_index``: ``arange(n)``, the rows' places in the round).
+
+    Row i sits at step ``kk[i]`` and drafts ``g[i]`` steps (``g_host`` on the host, ``G`` the
+    longest); slot j is step ``steps[:, j] = kk + j`` and is drafted where ``valid[:, j]``.
+    ``coef``: ``(A, B, sigma)`` at each slot's step, ``[3, n, G, 1...]``, broadcast against the states.
+    ``frozen``: the round starts with a target call on the rows' states (Frozen rounds).
+    """
+
+    index: int
+    act: torch.Tensor | None
+    label_rows: torch.Tensor
+    row_index: torch.Tensor
+    kk: torch.Tensor
+    g: torch.Tensor
+    g_host: np.ndarray
+    G: int
+    ragged: bool  # some rows draft fewer than G steps (the last rounds)
+    steps: torch.Tensor
+    valid: torch.Tensor
+    coef: torch.Tensor
+    frozen: bool
+
+
+def _new_round(index: int, act: torch.Tensor | None, all_rows: torch.Tensor, k: torch.Tensor, gamma: int,
+               g_host: np.ndarray, frozen: bool, tables: torch.Tensor, stats: ChainStats) -> _Round:
+    K = tables.shape[1]
+    kk = _rows(k, act)
+    G = int(g_host.max())
+    positions = stats.slots(G)[None, :]
+    g = torch.clamp(K - kk, max=gamma)  # = g_host, on the device
+    steps = kk[:, None] + positions
+    return _Round(index=index, act=act, label_rows=all_rows if act is None else act, row_index=all_rows[:g_host.size],
+                  kk=kk, g=g, g_host=g_host, G=G, ragged=int(g_host.min()) < G, steps=steps,
+                  valid=positions < g[:, None], coef=tables[:, steps.clamp(max=K - 1)], frozen=frozen)
+
+
+def _rows(t: torch.Tensor, act: torch.Tensor | None) -> torch.Tensor:
+    return t if act is None else t[act]
+
+
+def _round(chain: GaussianChain, rnd: _Round, y0: torch.Tensor, stale: torch.Tensor | None, keys: _StreamKeys,
+           stats: ChainStats, drafter: str, verification: str, rejection: str, residual_alpha: str):
+    """Draft, verify and commit one round; returns the rows' new states, stale eps (``stale`` given: the free
+    drafter), steps, and tau (host)."""
+    n, G, shape = y0.shape[0], rnd.G, tuple(y0.shape[1:])
+    coef = rnd.coef.reshape(3, n, G, *([1] * len(shape)))
+    draws = rng.extend_hash(keys.draft_accept[:, rnd.label_rows, None], rnd.index, rnd.steps)  # [2, n, G]
+    xi = rng.normal_at(draws[0], shape, dtype=torch.float64)
+    eta = 1.0 - rng.uniform_at(draws[1])
+
+    E = torch.zeros((n, G) + shape, dtype=y0.dtype, device=y0.device)  # target eps of each drafted state
+    if rnd.frozen:  # the Frozen round's sequential call at the round start
+        E[:, 0] = chain.target_eps(y0, rnd.kk, rnd.label_rows)
+    Y, eps_draft64 = _draft(chain, rnd, coef, y0, E[:, 0] if rnd.frozen else stale, xi, drafter)
+    _verify_states(chain, rnd, Y, E)
+
+    if chain.clipped_mean is None:
+        Delta = coef[1] * (eps_draft64 - E.to(torch.float64)) / coef[2]
+    else:  # not affine in eps: the difference of the two means (spec_diffusion 1.2)
+        flat_k, drafted = rnd.steps.flatten(), Y[:, :G].flatten(0, 1)
+        eps_flat = eps_draft64.expand((n, G) + shape).flatten(0, 1)
+        gap = _mean(chain, drafted, eps_flat, flat_k) - _mean(chain, drafted, E.flatten(0, 1), flat_k)
+        Delta = gap.reshape((n, G) + gap.shape[1:]) / coef[2]
+    if rnd.ragged:
+        Delta = torch.where(_bcast(rnd.valid, Delta), Delta, torch.zeros_like(Delta))
+    log_rho, delta = log_ratio(Delta, xi)
+    verdict = (token_verify if verification == "token" else block_verify)(log_rho, delta, rnd.g, eta)
+    tau = verdict.tau
+    tau_host = tau.cpu().numpy()  # the round's one wait for the device: the commit needs it
+
+    x_new = Y[rnd.row_index, rnd.g].clone() if rnd.ragged else Y[:, G].clone()
+    cut = np.flatnonzero(tau_host < rnd.g_host)
+    if cut.size:
+        cut_rows = _on(y0.device, cut)
+        x_new[cut_rows] = _resample(chain, rnd, cut_rows, Y, E, Delta, xi, verdict, keys, rejection,
+                                    residual_alpha).to(y0.dtype)
+    rejected = tau < rnd.g
+    if stale is not None:  # eps of the state preceding the new one (spec 2.3)
+        stale = E[rnd.row_index, torch.where(rejected, tau, rnd.g - 1)]
+    k_new = rnd.kk + torch.where(rejected, tau + 1, rnd.g)
+
+    # block slot j is step kk + j; tau <= g, so the accepted slots lie within the drafted ones
+    stats.observe_prefix(rnd.act, rnd.steps, rnd.g, tau)
+    target_calls = (rnd.g > 1).to(torch.int64) + 1 if rnd.frozen else 1  # the Frozen call, then verify
+    stats.add_calls(rnd.act, target=target_calls)
+    _add(stats.expected_advance, rnd.act, verdict.expected_advance)
+    return x_new, stale, k_new, tau_host
+
+
+def _on(device: torch.device, index: np.ndarray) -> torch.Tensor:
+    """A host index array as an int64 tensor on ``device``."""
+    return torch.from_numpy(index).to(device=device, dtype=torch.int64)
+
+
+def _add(counter: torch.Tensor, rows: torch.Tensor | None, value: torch.Tensor) -> None:
+    if rows is None:
+        counter += value
+    else:
+        counter[rows] += value
+
+
+def _draft(chain: GaussianChain, rnd: _Round, coef: torch.Tensor, y0: torch.Tensor, fixed_eps: torch.Tensor,
+           xi: torch.Tensor, drafter: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The drafted states ``Y [n, G+1, ...]`` (``Y[:, 0] = y0``) and the draft eps of each slot in float64
+    (``[n, 1, ...]``, the same at every slot, unless the drafter is ``model``).
+
+    Each step is ``_step``'s arithmetic, in its order; what does not depend on the previous state
+    (``sigma xi``, and ``B eps`` for a fixed eps) is computed for all slots at once.
+    """
+    model, affine = drafter == "model", chain.clipped_mean is None
+    A, B, noise = coef[0].unbind(1), coef[1].unbind(1), (coef[2] * xi).unbind(1)
+    if model:
+        eps_draft = torch.zeros((y0.shape[0], rnd.G) + tuple(y0.shape[1:]), dtype=y0.dtype, device=y0.device)
+    else:
+        eps64 = fixed_eps.to(torch.float64)
+        drift = (coef[1] * eps64[:, None]).unbind(1) if affine else None  # B eps of every slot
+    ys, y64 = [y0], y0.to(torch.float64)
+    for j in range(rnd.G):
+        if model:
+            eps64 = _draft_call(chain, rnd, j, ys[j], eps_draft)
+        if not affine:
+            mean = _mean(chain, y64, eps64, rnd.steps[:, j])
+        else:
+            mean = A[j] * y64 + (B[j] * eps64 if model else drift[j])
+        ys.append((mean + noise[j]).to(y0.dtype))
+        y64 = ys[-1].to(torch.float64)
+    return torch.stack(ys, dim=1), eps_draft.to(torch.float64) if model else eps64[:, None]
+
+
+def _draft_call(chain: GaussianChain, rnd: _Round, j: int, y: torch.Tensor, eps_draft: torch.Tensor) -> torch.Tensor:
+    """The draft model's eps at slot j on the rows that draft it (stored in ``eps_draft``), in float64."""
+    live = np.flatnonzero(rnd.g_host > j)
+    if live.size == y.shape[0]:
+        eps = chain.draft_eps(y, rnd.kk + j, rnd.label_rows)
+        eps_draft[:, j] = eps
+        return eps.to(torch.float64)
+    live_rows = _on(y.device, live)
+    eps_draft[live_rows, j] = chain.draft_eps(y[live_rows], rnd.kk[live_rows] + j, rnd.label_rows[live_rows])
+    return eps_draft[:, j].to(torch.float64)
+
+
+def _verify_states(chain: GaussianChain, rnd: _Round, Y: torch.Tensor, E: torch.Tensor) -> None:
+    """The parallel verification pass: one target call on every drafted state whose eps is not known
+    yet (all but a Frozen round's first), row by row; fills ``E``."""
+    first = 1 if rnd.frozen else 0
+    n, G = E.shape[:2]
+    if first >= G:
+        return
+    if not rnd.ragged:  # the states form a block: no index lists
+        per_row = G - first
+        eps = chain.target_eps(Y[:, first:G].reshape((n * per_row,) + tuple(Y.shape[2:])),
+                               rnd.steps[:, first:].reshape(-1), rnd.label_rows.repeat_interleave(per_row))
+        E[:, first:] = eps.view(E[:, first:].shape)
+        return
+    need = rnd.valid.clone()
+    need[:, :first] = False
+    ri, ji = torch.nonzero(need, as_tuple=True)
+    if ri.numel():
+        E[ri, ji] = chain.target_eps(Y[ri, ji], rnd.kk[ri] + ji, rnd.label_rows[ri])
+
+
+def _resample(chain: GaussianChain, rnd: _Round, cut: torch.Tensor, Y: torch.Tensor, E: torch.Tensor,
+              Delta: torch.Tensor, xi: torch.Tensor, verdict: Verdict, keys: _StreamKeys, rejection: str,
+              residual_alpha: str) -> torch.Tensor:
+    """The new state of the rows ``cut`` whose block was cut at slot tau: a draw from the residual of the
+    target and draft kernels out of ``y_tau`` (or the reflection of the rejected draft), in float64."""
+    t_c = verdict.tau[cut]
+    k_c = rnd.kk[cut] + t_c
+    m_q = _mean(chain, Y[cut, t_c], E[cut, t_c], k_c)
+    sigma_c = chain.sigma[k_c]
+    if rejection == "reflection":
+        return reflect(m_q, Delta[cut, t_c], sigma_c, xi[cut, t_c])
+    log_alpha = verdict.log_alpha[cut] if residual_alpha == "w_tau" else torch.zeros_like(verdict.log_alpha[cut])
+    draws = rng.extend_hash(keys.residual[:, rnd.label_rows[cut]], rnd.index, k_c)  # [2, cut rows]
+    u = 1.0 - rng.uniform_at(draws[0])
+    zeta = rng.normal_at(draws[1], Y.shape[2:], dtype=torch.float64)
+    return sample_residual(m_q, Delta[cut, t_c], sigma_c, log_alpha, u, zeta)
 
 
 def _bcast(mask: torch.Tensor, like: torch.Tensor) -> torch.Tensor:

@@ -31,16 +31,29 @@ def log1mexp(x: torch.Tensor) -> torch.Tensor:
     return torch.where(x > _LOG_HALF, torch.log(-torch.expm1(x)), torch.log1p(-torch.exp(x)))
 
 
+def any_of(mask: torch.Tensor) -> bool:
+    """Whether a branch that only some elements need must be computed: ``mask.any()`` on the CPU, where
+    reading it is free; True on an accelerator, where reading it would wait for the device (the branch
+    is then computed for every element and ``torch.where`` keeps it where the mask says, the same values)."""
+    return bool(mask.any()) if mask.device.type == "cpu" else True
+
+
 def log_ndtr(x: torch.Tensor) -> torch.Tensor:
     """``log Phi(x)`` in float64: ``log(erfc(-x/sqrt 2)/2)`` above -30 (relatively accurate there
     and several times faster than ``torch.special.log_ndtr`` on CPU; note ``torch.special.ndtr``
     is not relatively accurate for negative x), the left-tail expansion below."""
+    far = x < -_TAIL
+    return _log_ndtr(x, far, any_of(far))
+
+
+def _log_ndtr(x: torch.Tensor, far: torch.Tensor, any_far: bool) -> torch.Tensor:
+    """:func:`log_ndtr` given ``far = x < -30`` and whether any element is."""
     head = torch.log(0.5 * torch.special.erfc(torch.clamp(x, min=-_TAIL) * -_SQRT_HALF))
-    if not bool((x < -_TAIL).any()):
+    if not any_far:
         return head
     t = torch.clamp(x, max=-_TAIL)
     tail = -0.5 * t * t - torch.log(-t) - _HALF_LOG_2PI + _log_mills_series(t)
-    return torch.where(x < -_TAIL, tail, head)
+    return torch.where(far, tail, head)
 
 
 def threshold(delta: torch.Tensor, log_alpha: torch.Tensor) -> torch.Tensor:
@@ -62,11 +75,20 @@ def _log_G_offset(v: torch.Tensor, c: torch.Tensor, delta: torch.Tensor, log_alp
     digit, so it is taken from the left-tail expansion, where it simplifies exactly to
     ``delta v - log1p(delta / -s) + log r(s - delta) - log r(s)`` (using ``c delta = delta^2/2 + ln alpha``).
     """
-    s = c + v
-    log_phi_s = log_ndtr(s)
-    inner = log_ndtr(s - delta) - log_phi_s - log_alpha
-    far = s < -_TAIL
-    if bool(far.any()):
+    return _log_G_at(c + v, v, delta, log_alpha)
+
+
+def _log_G_at(s: torch.Tensor, v: torch.Tensor, delta: torch.Tensor, log_alpha: torch.Tensor) -> torch.Tensor:
+    """:func:`_log_G_offset` given ``s = c + v`` as well."""
+    shifted = s - delta
+    far_shifted = shifted < -_TAIL
+    any_far_shifted = any_of(far_shifted)
+    # delta >= 0, so s - delta <= s: where no s - delta is below -30, no s is either
+    far = s < -_TAIL if any_far_shifted else far_shifted
+    any_far = any_far_shifted and any_of(far)
+    log_phi_s = _log_ndtr(s, far, any_far)
+    inner = _log_ndtr(shifted, far_shifted, any_far_shifted) - log_phi_s - log_alpha
+    if any_far:
         t = torch.clamp(s, max=-_TAIL)
         tail = delta * v - torch.log1p(delta / (-t)) + _log_mills_series(t - delta) - _log_mills_series(t)
         inner = torch.where(far, tail, inner)
@@ -134,23 +156,56 @@ def sample_psi(delta: torch.Tensor, log_alpha: torch.Tensor, u: torch.Tensor, me
             hi = torch.where(above, mid, hi)
             lo = torch.where(above, lo, mid)
         return c + 0.5 * (lo + hi)
+    return c + _newton(lo, hi, c, delta, log_alpha, target)
+
+
+def _newton(lo: torch.Tensor, hi: torch.Tensor, c: torch.Tensor, delta: torch.Tensor, log_alpha: torch.Tensor,
+            target: torch.Tensor) -> torch.Tensor:
+    """``NEWTON_STEPS`` safeguarded Newton steps on ``log G(c + v) = target`` from ``v = lo``; returns v.
+
+    A step is a pure function of the state ``(v, lo, hi)``, so once a state recurs every later one is
+    known, and on the CPU the loop stops there with the v the last step would have left (the same bits,
+    in about half the steps; on an accelerator every step runs, as the check would wait for the device).
+    A step that leaves v unchanged leaves the whole state unchanged from the next step on (lo and hi
+    already hold v where the sign of f moves them); otherwise a state can recur two steps later (v
+    oscillating by an ulp).
+    """
+    states = [(lo.clone(), lo, hi)]
+    if lo.device.type != "cpu":
+        for _ in range(NEWTON_STEPS):
+            states = [_newton_step(*states[-1], c, delta, log_alpha, target)]
+        return states[-1][0]
+    v_bits = [states[0][0].view(torch.int64)]
+    for i in range(NEWTON_STEPS):
+        states.append(_newton_step(*states[-1], c, delta, log_alpha, target))
+        v_bits.append(states[-1][0].view(torch.int64))
+        if torch.equal(v_bits[-1], v_bits[-2]):
+            return states[-1][0]
+        if i >= 1 and torch.equal(v_bits[-1], v_bits[-3]) and _same_bits(states[-1][1:], states[-3][1:]):
+            return states[-1 if (NEWTON_STEPS - 1 - i) % 2 == 0 else -2][0]  # period 2 from here on
+    return states[-1][0]
+
+
+def _same_bits(a: tuple[torch.Tensor, ...], b: tuple[torch.Tensor, ...]) -> bool:
+    return all(torch.equal(x.view(torch.int64), y.view(torch.int64)) for x, y in zip(a, b))
+
+
+def _newton_step(v: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, c: torch.Tensor, delta: torch.Tensor,
+                 log_alpha: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     # psi_alpha is log-concave, so log G is concave: Newton started left of the root (at the
     # bracket's lower end) climbs monotonically to it without overshooting.
-    v = lo.clone()
-    for _ in range(NEWTON_STEPS):
-        log_g = _log_G_offset(v, c, delta, log_alpha)
-        f = log_g - target
-        above = f > 0
-        hi = torch.where(above, v, hi)
-        lo = torch.where(above, lo, v)
-        s = c + v
-        # d/ds log G = alpha phi(s) (1 - e^{delta v}) / G
-        log_dg = log_alpha - 0.5 * s * s - _HALF_LOG_2PI + log1mexp(torch.clamp(delta * v, max=-1e-300))
-        step = f * torch.exp(log_g - log_dg)
-        v_new = v - step
-        inside = (v_new >= lo) & (v_new <= hi) & torch.isfinite(v_new)
-        v = torch.where(inside, v_new, 0.5 * (lo + hi))
-    return c + v
+    s = c + v
+    log_g = _log_G_at(s, v, delta, log_alpha)
+    f = log_g - target
+    above = f > 0
+    hi = torch.where(above, v, hi)
+    lo = torch.where(above, lo, v)
+    # d/ds log G = alpha phi(s) (1 - e^{delta v}) / G
+    log_dg = log_alpha - 0.5 * s * s - _HALF_LOG_2PI + log1mexp(torch.clamp(delta * v, max=-1e-300))
+    step = f * torch.exp(log_g - log_dg)
+    v_new = v - step
+    inside = (v_new >= lo) & (v_new <= hi) & torch.isfinite(v_new)
+    return torch.where(inside, v_new, 0.5 * (lo + hi)), lo, hi
 
 
 def sample_residual(

@@ -47,9 +47,8 @@ def token_verify(log_rho: torch.Tensor, delta: torch.Tensor, g: torch.Tensor, et
     n, G = log_rho.shape
     log_rho = torch.where(delta <= DELTA_MIN, torch.zeros_like(log_rho), log_rho)  # identical kernels
     valid = _valid(g, G)
-    accept = (torch.log(eta) <= log_rho) | ~valid
-    rejected_before = torch.cumsum((~accept).to(torch.int64), dim=1) > 0
-    tau = torch.where(rejected_before.any(dim=1), (~rejected_before).sum(dim=1), g)
+    accepted = (torch.log(eta) <= log_rho) & valid  # the drafted slots form a prefix: tau is its accepted run
+    tau = torch.cumprod(accepted.to(torch.int64), dim=1).sum(dim=1)
     log_v = torch.cumsum(torch.where(valid, log_rho.clamp(max=0.0), torch.zeros_like(log_rho)), dim=1)
     v_prev = torch.cat([torch.ones(n, 1, dtype=torch.float64, device=log_rho.device), log_v[:, :-1].exp()], dim=1)
     expected = torch.where(valid, v_prev, torch.zeros_like(v_prev)).sum(dim=1)
@@ -66,10 +65,12 @@ def block_weights(log_rho: torch.Tensor, delta: torch.Tensor, g: torch.Tensor) -
     tiny = delta <= DELTA_MIN
     log_rho = torch.where(tiny, torch.zeros_like(log_rho), log_rho)
     valid = _valid(g, G)
-    log_w = torch.zeros(n, G + 1, dtype=torch.float64, device=log_rho.device)
+    # Past g, log rho = 0 keeps w: log w is +0 or negative, so min(0, log w + 0) is log w, bit for bit.
+    log_rho_cols = torch.where(valid, log_rho, torch.zeros_like(log_rho)).unbind(1)
+    cols = [torch.zeros(n, dtype=torch.float64, device=log_rho.device)]
     for j in range(G):
-        step = torch.clamp(log_w[:, j] + log_rho[:, j], max=0.0)
-        log_w[:, j + 1] = torch.where(valid[:, j], step, log_w[:, j])
+        cols.append(torch.clamp(cols[j] + log_rho_cols[j], max=0.0))
+    log_w = torch.stack(cols, dim=1)
     lw = log_w[:, :G]
     safe_delta = torch.where(tiny, torch.ones_like(delta), delta)
     log_R = torch.where(tiny, torch.full_like(delta, -torch.inf), log_residual_mass(safe_delta, lw))
