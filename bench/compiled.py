@@ -29,8 +29,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.discrete import DRAFT, TARGET, batches_of  # noqa: E402
-from bench.pricing import since, stamp, sync  # noqa: E402
+from bench.discrete import DRAFT, TARGET  # noqa: E402
+from bench.pricing import batches_of, since, stamp, sync  # noqa: E402
 from specray.methods.discrete.loop import generate_tokens  # noqa: E402
 from specray.models.compiled import compile_pair  # noqa: E402
 from specray.models.discrete_ar import load_pair  # noqa: E402

@@ -60,6 +60,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.pricing import (  # noqa: E402
     CLOCK_NAMES,
     InterleavedTimer,
+    batches_of,
     paired_speedup,
     parse_shape,
     shape_cost,
@@ -133,14 +134,6 @@ class ArmResult:
     total_s: dict[str, float]  # the counting pass's time, per clock
     clocks: dict[str, ClockResult]
 
-
-def batches_of(samples: int, batch: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Sample ids 0..samples-1 in batches; label = sample id mod 10 (every class appears)."""
-    out = []
-    for start in range(0, samples, batch):
-        sids = torch.arange(start, min(start + batch, samples), dtype=torch.int64)
-        out.append((sids % 10, sids))
-    return out
 
 
 def run_arm(method: str, params: dict[str, Any], pair: ModelPair, work: list, seed: int) -> tuple[dict[str, float], list]:

@@ -56,6 +56,19 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.pricing import (  # noqa: E402
+    CLOCK_NAMES,
+    InterleavedTimer,
+    TimeInCalls,
+    batches_of,
+    paired_speedup,
+    parse_shape,
+    shape_key,
+    since,
+    split_efficiency,
+    stamp,
+    sync,
+)
 from specray.methods.diffusion.loop import run_batch  # noqa: E402
 from specray.models.diffusion import Denoiser, load_pair  # noqa: E402
 from specray.models.pair import ModelPair  # noqa: E402
@@ -68,38 +81,6 @@ ARMS: list[tuple[str, str, str | None]] = [("target_only", "target_only", None)]
     (f"{method.removeprefix('spec_')} {drafter}", method, drafter)
     for method in ("spec_token", "spec_block") for drafter in ("frozen", "free", "model")
 ]
-
-
-# ---- clocks, shapes: generic helpers -----------------------------------------------------------------
-
-# Every timing reads both clocks. "wall": time.perf_counter. "cpu": process CPU time, which on a
-# shared machine leaves out the time the process waits for a core (a fair clock for single-threaded
-# torch on CPU only: it misses asynchronous GPU work).
-CLOCK_NAMES = ("wall", "cpu")
-
-
-def stamp() -> tuple[float, float]:
-    return time.perf_counter(), time.process_time()
-
-
-def since(start: tuple[float, float]) -> dict[str, float]:
-    end = stamp()
-    return {name: end[i] - start[i] for i, name in enumerate(CLOCK_NAMES)}
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def shape_key(role: str, rows: int) -> str:
-    """Key of one kind of denoiser call: model and rows fed."""
-    return f"{role}:{rows}"
-
-
-def parse_shape(key: str) -> tuple[str, int]:
-    role, rows = key.split(":")
-    return role, int(rows)
 
 
 def linear_between(grid: dict[int, float], x: int) -> float:
@@ -125,46 +106,15 @@ class CallCounts:
         return sum(n for key, n in self.shapes.items() if parse_shape(key)[0] == role)
 
 
-def batches_of(samples: int, batch: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Sample ids 0..samples-1 in batches; label = sample id mod 10 (every class appears)."""
-    out = []
-    for start in range(0, samples, batch):
-        sids = torch.arange(start, min(start + batch, samples), dtype=torch.int64)
-        out.append((sids % 10, sids))
-    return out
-
 
 def run_arm(method: str, params: dict[str, Any], pair: ModelPair, work: list,
             seed: int) -> tuple[dict[str, float], list]:
     """Time one arm on every batch of ``work`` (both clocks); returns the time and each batch's stats."""
-    _sync(pair.device)
+    sync(pair.device)
     start = stamp()
     stats = [run_batch(method, params, pair, labels, sids, seed).stats for labels, sids in work]
-    _sync(pair.device)
+    sync(pair.device)
     return since(start), stats
-
-
-class TimeInCalls:
-    """Within the block, the time spent inside :meth:`Denoiser.forward` (both clocks), so that a run's
-    time splits into its calls and its loop (CPU devices only: on a GPU a call returns before its work
-    is done)."""
-
-    def __enter__(self) -> dict[str, float]:
-        self.inside = dict.fromkeys(CLOCK_NAMES, 0.0)
-        self.original = original = Denoiser.forward
-
-        def timed(model: Denoiser, *args: Any, **kwargs: Any) -> torch.Tensor:
-            start = stamp()
-            out = original(model, *args, **kwargs)
-            for clock, t in since(start).items():
-                self.inside[clock] += t
-            return out
-
-        Denoiser.forward = timed  # type: ignore[method-assign]
-        return self.inside
-
-    def __exit__(self, *exc: Any) -> None:
-        Denoiser.forward = self.original  # type: ignore[method-assign]
 
 
 def count_calls(method: str, params: dict[str, Any], pair: ModelPair, work: list, seed: int) -> tuple[CallCounts, list]:
@@ -216,43 +166,15 @@ def _call_of_shape(model: Denoiser, rows: int, num_train_timesteps: int, image_s
     return lambda: model(x, t, labels, guidance_scale)
 
 
-class CallCosts:
-    """Per-call cost of every shape to time, measured in rounds spread over the run: each round times
-    every shape once (as many back-to-back calls as take ~25 ms, at least one), and a shape's cost is
-    the median over rounds. The bench runs a round before every arm's batch, so the costs see the
-    machine's load as the arms do."""
-
-    def __init__(self, pair: ModelPair, rows: dict[str, list[int]], guidance_scale: float) -> None:
-        self.device = pair.device
-        gen = torch.Generator().manual_seed(0)
-        steps = pair.info["scheduler"].config.num_train_timesteps
-        self.calls: dict[str, tuple[Any, int]] = {}
-        for role, counts in rows.items():
-            model = pair.target if role == "target" else pair.draft
-            for n in counts:
-                call = _call_of_shape(model, n, steps, pair.info["image_shape"], guidance_scale, gen, self.device)
-                call()  # warm-up
-                _sync(self.device)
-                start = stamp()
-                call()  # the size of a timing
-                _sync(self.device)
-                self.calls[shape_key(role, n)] = call, min(20, max(1, round(0.025 / max(since(start)["wall"], 1e-6))))
-        self.times: dict[str, dict[str, list[float]]] = {clock: {key: [] for key in self.calls}
-                                                         for clock in CLOCK_NAMES}
-
-    def time_round(self) -> None:
-        for key, (call, n) in self.calls.items():
-            _sync(self.device)
-            start = stamp()
-            for _ in range(n):
-                call()
-            _sync(self.device)
-            for clock, t in since(start).items():
-                self.times[clock][key].append(t / n)
-
-    def seconds(self) -> dict[str, dict[str, float]]:
-        """``{clock: {shape key: median seconds per call}}``."""
-        return {clock: {key: statistics.median(ts) for key, ts in self.times[clock].items()} for clock in CLOCK_NAMES}
+def cost_timer(pair: ModelPair, rows: dict[str, list[int]], guidance_scale: float) -> InterleavedTimer:
+    """Times every shape to price, a round (each shape once) before every arm's batch, so that the
+    costs see the machine's load as the arms do; a shape's cost is the median over rounds."""
+    gen = torch.Generator().manual_seed(0)
+    steps = pair.info["scheduler"].config.num_train_timesteps
+    calls = {shape_key(role, n): _call_of_shape(pair.target if role == "target" else pair.draft, n, steps,
+                                                pair.info["image_shape"], guidance_scale, gen, pair.device)
+             for role, counts in rows.items() for n in counts}
+    return InterleavedTimer(calls, pair.device, seconds=0.025, grad_mode=torch.no_grad)
 
 
 def shape_cost(key: str, costs: dict[str, float]) -> float:
@@ -317,15 +239,15 @@ def bench_config(pair: ModelPair, num_steps: int, batch: int, samples: int, reps
     times: dict[str, list[dict[str, float]]] = {name: [] for name, _, _ in arms}
     loop_times: dict[str, list[dict[str, float]]] = {name: [] for name, _, _ in arms}
     split = pair.device.type == "cpu"
-    call_costs = CallCosts(pair, rows, guidance)
+    call_costs = cost_timer(pair, rows, guidance)
     for rep in range(reps):
         elapsed = {name: dict.fromkeys(CLOCK_NAMES, 0.0) for name, _, _ in arms}
         in_calls = {name: dict.fromkeys(CLOCK_NAMES, 0.0) for name, _, _ in arms}
         for i, one_batch in enumerate(work):  # every arm runs a batch before the next: drift hits them alike
             turn = (rep + i) % len(arms)
             for name, method, params in arms[turn:] + arms[:turn]:  # the order rotates
-                call_costs.time_round()
-                with TimeInCalls() if split else contextlib.nullcontext(dict.fromkeys(CLOCK_NAMES, 0.0)) as inside:
+                call_costs.step(len(call_costs.calls))
+                with TimeInCalls({Denoiser: "forward"}) if split else contextlib.nullcontext(dict.fromkeys(CLOCK_NAMES, 0.0)) as inside:
                     t, _ = run_arm(method, params, pair, [one_batch], seed)
                 for clock in CLOCK_NAMES:
                     elapsed[name][clock] += t[clock]
@@ -333,7 +255,7 @@ def bench_config(pair: ModelPair, num_steps: int, batch: int, samples: int, reps
         for name in times:
             times[name].append(elapsed[name])
             loop_times[name].append({c: elapsed[name][c] - in_calls[name][c] for c in CLOCK_NAMES})
-    costs = call_costs.seconds()
+    costs = call_costs.costs()
 
     base_name = arms[0][0]
     results = []
@@ -345,14 +267,14 @@ def bench_config(pair: ModelPair, num_steps: int, batch: int, samples: int, reps
             base = [t[clock] for t in times[base_name]]
             pred_time = predicted_time(counts, costs[clock])
             predicted = predicted_time(counted[base_name][0], costs[clock]) / pred_time
-            speedup = statistics.median(b / m for b, m in zip(base, mine))
+            speedup = paired_speedup(base, mine)
             loop = [t[clock] for t in loop_times[name]] if split else []
             clocks[clock] = ClockResult(
                 s_per_sample=statistics.median(mine) / samples, speedup=speedup, predicted_speedup=predicted,
                 efficiency=speedup / predicted, overhead=statistics.median(mine) / pred_time,
                 loop_s_per_iteration=(statistics.median(loop) if split else statistics.median(mine) - pred_time)
                 / counts.iterations,
-                run_efficiency=call_share(loop, mine) / call_share([t[clock] for t in loop_times[base_name]], base)
+                run_efficiency=split_efficiency(loop, mine, [t[clock] for t in loop_times[base_name]], base)
                 if split else None,
                 reps_s=mine, reps_loop_s=loop,
             )
@@ -364,11 +286,6 @@ def bench_config(pair: ModelPair, num_steps: int, batch: int, samples: int, reps
             calls=counts, clocks=clocks,
         ))
     return results, costs
-
-
-def call_share(loop: list[float], total: list[float]) -> float:
-    """Median over repetitions of the share of the time spent in the calls."""
-    return statistics.median(1 - lo / t for lo, t in zip(loop, total))
 
 
 def print_table(num_steps: int, batch: int, samples: int, reps: int, costs: dict[str, dict[str, float]],

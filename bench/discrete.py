@@ -9,7 +9,7 @@ sampling with CFG 1.5) it reports:
 - ``len``: mean acceptance length (image tokens per target call, bonus and prefill included);
   ``alpha``: draft acceptance rate;
 - ``speedup``: measured speedup over ``target_only``. All arms run on the same samples and seeds,
-  interleaved (the order rotates every repetition), after a warm-up; the median over repetitions
+  taking turns batch by batch (the order rotates), after a warm-up; the median over repetitions
   of the paired ratio target_only time / arm time;
 - ``pred``: the speedup predicted from the measured call counts and the per-call costs measured
   in the same run, at the same batch size, each call priced by what it really is. The calls, each a
@@ -21,11 +21,18 @@ sampling with CFG 1.5) it reports:
   arms' calls are counted the same way: ``target_f`` is a target call that also returns hidden
   states (prefill 1 token, chain verify gamma+1, tree verify: the tree's nodes + 1, with its tree
   mask), ``head`` an EAGLE-head call (the round's catch-up over depth + 1 positions, then one token per
-  chain step, or one tree level's internal nodes). Every shape used is timed in the same run (calls on
-  fewer rows at a grid of row counts, linear in between), and predicted time = sum over calls of the
-  cost of the call's shape;
+  chain step, or one tree level's internal nodes). Every shape used is timed in the same run, a few
+  shapes before each arm's batch, so that the timings see the load the runs see (calls on fewer rows
+  at a grid of row counts, linear in between), and predicted time = sum over calls of the cost of
+  the call's shape;
 - ``eff`` = speedup / pred (1.0: no more loop overhead than target_only's own loop);
-- ``ovh`` = time / predicted time of the arm's own calls (its loop overhead factor).
+- ``ovh`` = time / predicted time of the arm's own calls (its loop overhead factor);
+- ``run-eff``: the efficiency with each call priced at what it took in the timed runs themselves
+  (the time inside the model calls, measured in place): an arm's share of time in its calls over
+  target_only's. It leaves out any difference between a call timed alone and in the loop, and a
+  change of load between the cost timings and the runs; what is left is the loop's own work
+  (CPU only: on a GPU a call returns before its work is done);
+- ``loop``: the time outside the model calls per target call, in ms (CPU only).
 
 Both clocks are measured: wall time, and process CPU time, which leaves out the time the process
 waits for a core on a shared machine (valid for single-threaded CPU runs only). The main columns use
@@ -37,6 +44,7 @@ waits for a core on a shared machine (valid for single-threaded CPU runs only). 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import platform
 import statistics
@@ -51,8 +59,21 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.pricing import CLOCK_NAMES, parse_shape, partial_rows_grid, shape_cost, shape_key, since, stamp  # noqa: E402
-from bench.pricing import sync as _sync  # noqa: E402
+from bench.pricing import (  # noqa: E402
+    CLOCK_NAMES,
+    InterleavedTimer,
+    TimeInCalls,
+    batches_of,
+    paired_speedup,
+    parse_shape,
+    partial_rows_grid,
+    shape_cost,
+    shape_key,
+    since,
+    split_efficiency,
+    stamp,
+    sync,
+)
 from specray.methods.discrete.eagle_loop import HeadStream, TargetStream  # noqa: E402
 from specray.methods.discrete.loop import GuidedModel, run_batch  # noqa: E402
 from specray.methods.discrete.params import SD  # noqa: E402
@@ -77,6 +98,11 @@ ARMS: list[tuple[str, str, dict[str, Any], str]] = [
     ("eagle lantern sm", "lantern", {"tree": "small"}, HEAD),
     ("eagle cool2 sm", "cool_sd", {"tree": "small", "delta": 2.0}, HEAD),
 ]
+
+
+# The model calls of the loops, each counted and priced as one call; the time outside them is the loop's.
+# GuidedModel.forward is the model call itself (probs may widen a call to every row of the batch).
+MODEL_CALLS = {GuidedModel: "forward", TargetStream: "probs", HeadStream: "probs"}
 
 
 @dataclass
@@ -105,7 +131,10 @@ class ClockResult:
     predicted_speedup: float  # from the call counts and this clock's per-call costs
     efficiency: float  # speedup / predicted_speedup
     overhead: float  # median time / predicted time of the arm's own calls
+    loop_s_per_target_call: float | None  # median time outside the model calls per target call (CPU only)
+    run_efficiency: float | None  # efficiency from each run's own split into calls and loop (CPU only)
     reps_s: list[float] = field(default_factory=list)
+    reps_loop_s: list[float] = field(default_factory=list)  # time outside the calls, per repetition (CPU only)
 
 
 @dataclass
@@ -121,22 +150,14 @@ class ArmResult:
     clocks: dict[str, ClockResult]
 
 
-def batches_of(samples: int, batch: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Sample ids 0..samples-1 in batches; label = sample id mod 10 (every class appears)."""
-    out = []
-    for start in range(0, samples, batch):
-        sids = torch.arange(start, min(start + batch, samples), dtype=torch.int64)
-        out.append((sids % 10, sids))
-    return out
-
 
 def run_arm(method: str, params: dict[str, Any], pair: ModelPair, work: list, seed: int) -> tuple[dict[str, float], list]:
-    _sync(pair.device)
+    sync(pair.device)
     start = stamp()
     stats = []
     for labels, sids in work:
         stats += run_batch(method, params, pair, labels, sids, seed).stats
-    _sync(pair.device)
+    sync(pair.device)
     return since(start), stats
 
 
@@ -149,8 +170,7 @@ def count_calls(method: str, params: dict[str, Any], pair: ModelPair, work: list
     the rows fed (fewer than the batch in the tail rounds, once rows are done).
     """
     counts: Counter[str] = Counter()
-    # GuidedModel.forward is the model call itself (probs may widen a call to every row of the batch).
-    methods = {GuidedModel: "forward", TargetStream: "probs", HeadStream: "probs"}
+    methods = MODEL_CALLS
     originals = {cls: getattr(cls, name) for cls, name in methods.items()}
 
     def counter(cls: type, role: Any) -> Any:
@@ -221,34 +241,15 @@ def _call_of_shape(role: str, n: int, rows: int, batch: int, pairs: dict[str, Mo
     return lambda: head.probs(idx, features, tok, pos, pos, visible)
 
 
-def call_costs(pairs: dict[str, ModelPair], batch: int, gamma: int, shapes: list[str],
-               calls: int) -> dict[str, dict[str, float]]:
-    """Per-call seconds ``{clock: {shape key: s}}`` of every call shape (CFG on, default sampling).
-
-    Each is the median of 5 timings of ``calls`` back-to-back calls made the way the loops make
-    them past the prefix (:func:`_call_of_shape`): a stream for ``batch`` samples, fed ``tokens`` per
-    row on ``rows`` of them (the full batch without a gather, fewer rows by index, as in the tail rounds).
-    """
-    device = pairs[DRAFT].device
+def cost_timer(pairs: dict[str, ModelPair], batch: int, gamma: int, shapes: list[str]) -> InterleavedTimer:
+    """Times every call shape (CFG on, default sampling) a few at a time between the arms' batches, so
+    that the costs see the load the runs see; a shape's cost is the median of its timings. Each call
+    is made the way the loops make it past the prefix (:func:`_call_of_shape`): a stream for ``batch``
+    samples, fed ``tokens`` per row on ``rows`` of them (the full batch without a gather, fewer rows
+    by index, as in the tail rounds)."""
     gen = torch.Generator().manual_seed(0)
-    out: dict[str, dict[str, float]] = {clock: {} for clock in CLOCK_NAMES}
-    with torch.inference_mode():
-        for key in shapes:
-            call = _call_of_shape(*parse_shape(key), batch, pairs, gamma, gen)
-            for _ in range(3):  # warm-up
-                call()
-            times: dict[str, list[float]] = {clock: [] for clock in CLOCK_NAMES}
-            for _ in range(5):
-                _sync(device)
-                start = stamp()
-                for _ in range(calls):
-                    call()
-                _sync(device)
-                for clock, t in since(start).items():
-                    times[clock].append(t / calls)
-            for clock in CLOCK_NAMES:
-                out[clock][key] = statistics.median(times[clock])
-    return out
+    calls = {key: _call_of_shape(*parse_shape(key), batch, pairs, gamma, gen) for key in shapes}
+    return InterleavedTimer(calls, pairs[DRAFT].device)
 
 
 def predicted_time(counts: CallCounts, costs: dict[str, float]) -> float:
@@ -257,7 +258,7 @@ def predicted_time(counts: CallCounts, costs: dict[str, float]) -> float:
 
 
 def bench_batch(pairs: dict[str, ModelPair], batch: int, samples: int, reps: int, gamma: int, seed: int,
-                cost_calls: int) -> tuple[list[ArmResult], dict[str, dict[str, float]]]:
+                cost_timings: int) -> tuple[list[ArmResult], dict[str, dict[str, float]]]:
     work = batches_of(samples, batch)
     chain = {} if gamma is None else {"gamma": gamma}
     arms = [(name, method, {**params, **({} if method == "target_only" or "tree" in params else chain)}, pairs[draft])
@@ -267,17 +268,30 @@ def bench_batch(pairs: dict[str, ModelPair], batch: int, samples: int, reps: int
         run_arm(method, params, pair, work[:1], seed)
     counted = {name: count_calls(method, params, pair, work, seed) for name, method, params, pair in arms}
 
-    times: dict[str, list[dict[str, float]]] = {name: [] for name, _, _, _ in arms}
     shapes = shapes_to_time([c for c, _ in counted.values()], batch)
-    cost_reps: list[dict[str, dict[str, float]]] = []
+    timer = cost_timer(pairs, batch, gamma, shapes)
+    turns = reps * len(work) * len(arms)
+    per_turn = max(1, -(-cost_timings * len(shapes) // turns))  # each shape timed about cost_timings times
+    split = pairs[DRAFT].device.type == "cpu"
+    times: dict[str, list[dict[str, float]]] = {name: [] for name, _, _, _ in arms}
+    loop_times: dict[str, list[dict[str, float]]] = {name: [] for name, _, _, _ in arms}
     for rep in range(reps):
-        cost_reps.append(call_costs(pairs, batch, gamma, shapes, cost_calls))
-        order = arms[rep % len(arms):] + arms[: rep % len(arms)]  # rotate so drift hits every arm alike
-        for name, method, params, pair in order:
-            elapsed, _ = run_arm(method, params, pair, work, seed)
-            times[name].append(elapsed)
-    costs = {clock: {key: statistics.median(c[clock][key] for c in cost_reps) for key in cost_reps[0][clock]}
-             for clock in CLOCK_NAMES}
+        elapsed = {name: dict.fromkeys(CLOCK_NAMES, 0.0) for name, _, _, _ in arms}
+        in_calls = {name: dict.fromkeys(CLOCK_NAMES, 0.0) for name, _, _, _ in arms}
+        for i, one_batch in enumerate(work):  # every arm runs a batch before the next: drift hits them alike
+            turn = (rep + i) % len(arms)
+            for name, method, params, pair in arms[turn:] + arms[:turn]:  # the order rotates
+                timer.step(per_turn)
+                with TimeInCalls(MODEL_CALLS) if split else contextlib.nullcontext(dict.fromkeys(CLOCK_NAMES, 0.0)) \
+                        as inside:
+                    t, _ = run_arm(method, params, pair, [one_batch], seed)
+                for clock in CLOCK_NAMES:
+                    elapsed[name][clock] += t[clock]
+                    in_calls[name][clock] += inside[clock]
+        for name in times:
+            times[name].append(elapsed[name])
+            loop_times[name].append({c: elapsed[name][c] - in_calls[name][c] for c in CLOCK_NAMES})
+    costs = timer.costs()
 
     base_name = arms[0][0]
     results = []
@@ -289,12 +303,18 @@ def bench_batch(pairs: dict[str, ModelPair], batch: int, samples: int, reps: int
         for clock in CLOCK_NAMES:
             mine = [t[clock] for t in times[name]]
             base = [t[clock] for t in times[base_name]]
-            speedup = statistics.median(b / m for b, m in zip(base, mine))
+            speedup = paired_speedup(base, mine)
             pred_time = predicted_time(counts, costs[clock])
             predicted = predicted_time(counted[base_name][0], costs[clock]) / pred_time
+            loop = [t[clock] for t in loop_times[name]] if split else []
+            target_calls = counts.total("target") + counts.total("target_f")
             clocks[clock] = ClockResult(
                 s_per_sample=statistics.median(mine) / samples, speedup=speedup, predicted_speedup=predicted,
-                efficiency=speedup / predicted, overhead=statistics.median(mine) / pred_time, reps_s=mine,
+                efficiency=speedup / predicted, overhead=statistics.median(mine) / pred_time,
+                loop_s_per_target_call=statistics.median(loop) / target_calls if split else None,
+                run_efficiency=split_efficiency(loop, mine, [t[clock] for t in loop_times[base_name]], base)
+                if split else None,
+                reps_s=mine, reps_loop_s=loop,
             )
         results.append(ArmResult(
             name=name, method=method, params=params, batch=batch, samples=samples,
@@ -327,7 +347,7 @@ def print_table(batch: int, samples: int, reps: int, costs: dict[str, dict[str, 
         print(f"   calls on fewer rows (tail rounds) timed at rows {grid}, linear in between; e.g. at 1 row: "
               f"verify {ms('target', gamma + 1, 1)}, draft {ms('draft', 1, 1)}, draft 2 tokens {ms('draft', 2, 1)}")
     header = (f"{'method':<17} {'len':>5} {'alpha':>6} {'tgt':>5} {'draft':>6} {'d2':>5} {'part':>5} {'ms/sample':>10} "
-              f"{'speedup':>8} {'pred':>6} {'eff':>5} {'ovh':>5} | {'speedup':>8} {'eff':>5} ({other})")
+              f"{'speedup':>8} {'pred':>6} {'eff':>5} {'ovh':>5} {'run-eff':>7} {'loop':>6} | {'speedup':>8} {'eff':>5} ({other})")
     print(header)
     print("-" * len(header))
     per_batch = samples / batch
@@ -342,7 +362,13 @@ def print_table(batch: int, samples: int, reps: int, costs: dict[str, dict[str, 
         m, o = r.clocks[clock], r.clocks[other]
         print(f"{r.name:<17} {r.mean_acceptance_length:>5.2f} {alpha:>6} {tgt:>5.1f} {draft:>6.1f} {two:>5.1f} "
               f"{partial:>5.2f} {m.s_per_sample * 1e3:>10.2f} {m.speedup:>8.2f} {m.predicted_speedup:>6.2f} "
-              f"{m.efficiency:>5.2f} {m.overhead:>5.2f} | {o.speedup:>8.2f} {o.efficiency:>5.2f}", flush=True)
+              f"{m.efficiency:>5.2f} {m.overhead:>5.2f} {_opt(m.run_efficiency, '7.2f')} "
+              f"{_opt(m.loop_s_per_target_call and m.loop_s_per_target_call * 1e3, '6.2f')} | "
+              f"{o.speedup:>8.2f} {o.efficiency:>5.2f}", flush=True)
+
+
+def _opt(x: float | None, fmt: str) -> str:
+    return format(x, fmt) if x is not None else format("-", ">" + fmt.split(".")[0])
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -354,6 +380,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--batches-large", type=int, default=None,
                     help="number of batches at batch sizes > 1 (default 2, quick 1)")
     ap.add_argument("--reps", type=int, default=None, help="timed repetitions (default 7, quick 3)")
+    ap.add_argument("--cost-timings", type=int, default=None, help="timings per call shape (default 24, quick 8)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (1 for stable timing)")
     ap.add_argument("--quick", action="store_true", help="fewer samples and repetitions (~1 min)")
@@ -367,6 +394,7 @@ def main(argv: list[str] | None = None) -> None:
     samples_b1 = args.samples_b1 or (4 if args.quick else 12)
     batches_large = args.batches_large or (1 if args.quick else 2)
     reps = args.reps or (3 if args.quick else 7)
+    cost_timings = args.cost_timings or (8 if args.quick else 24)
     device = torch.device(args.device)
     clock = args.clock if args.clock != "auto" else ("cpu" if device.type == "cpu" else "wall")
     pairs = {DRAFT: load_pair(TARGET, DRAFT, device), HEAD: load_pair(TARGET, HEAD, device)}
@@ -381,8 +409,7 @@ def main(argv: list[str] | None = None) -> None:
     }
     for batch in [int(b) for b in args.batches.split(",")]:
         samples = samples_b1 if batch == 1 else batch * batches_large
-        cost_calls = 20 if batch == 1 else 10
-        results, costs = bench_batch(pairs, batch, samples, reps, args.gamma, args.seed, cost_calls)
+        results, costs = bench_batch(pairs, batch, samples, reps, args.gamma, args.seed, cost_timings)
         print_table(batch, samples, reps, costs, results, clock, args.gamma)
         report["batches"].append({"batch": batch, "samples": samples, "reps": reps, "call_costs_s": costs,
                                   "arms": [asdict(r) for r in results]})
@@ -390,7 +417,8 @@ def main(argv: list[str] | None = None) -> None:
     print(f"\n# len: mean acceptance length (tokens per target call); alpha: draft acceptance rate; tgt, draft: "
           f"batch-level calls per batch; d2: 2-token draft calls per batch; part: share of calls on fewer rows "
           f"than the batch; speedup: vs target_only, median of paired reps; pred: predicted "
-          f"from the calls, each priced at its own shape; eff = speedup / pred; ovh = time / predicted time. "
+          f"from the calls, each priced at its own shape; eff = speedup / pred; ovh = time / predicted time; "
+          f"run-eff: eff from each run's own split into calls and loop; loop: ms outside the calls per target call. "
           f"Bench took {report['bench_wall_s']:.0f} s.")
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)

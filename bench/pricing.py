@@ -11,9 +11,11 @@ single-threaded torch on CPU only: it misses asynchronous GPU work).
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 
@@ -32,6 +34,15 @@ def stamp() -> tuple[float, float]:
 def since(start: tuple[float, float]) -> dict[str, float]:
     end = stamp()
     return {name: end[i] - start[i] for i, name in enumerate(CLOCK_NAMES)}
+
+
+def batches_of(samples: int, batch: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Sample ids 0..samples-1 in batches of ``(labels, sample ids)``; label = sample id mod 10 (every class appears)."""
+    out = []
+    for start in range(0, samples, batch):
+        sids = torch.arange(start, min(start + batch, samples), dtype=torch.int64)
+        out.append((sids % 10, sids))
+    return out
 
 
 def shape_key(role: str, *dims: int) -> str:
@@ -86,10 +97,11 @@ class InterleavedTimer:
     stretches of drift as the work around them. Each timing is of as many back-to-back calls as
     fill about ``seconds`` (at least one, calibrated on the first calls after a warm-up)."""
 
-    def __init__(self, calls: dict[str, Callable[[], object]], device: torch.device, seconds: float = 0.02) -> None:
-        self.calls, self.device = calls, device
+    def __init__(self, calls: dict[str, Callable[[], object]], device: torch.device, seconds: float = 0.02,
+                 grad_mode: Callable[[], contextlib.AbstractContextManager] = torch.inference_mode) -> None:
+        self.calls, self.device, self.grad_mode = calls, device, grad_mode  # grad_mode: as the loop runs its calls
         self.repeat: dict[str, int] = {}
-        with torch.inference_mode():
+        with grad_mode():
             for key, call in calls.items():
                 once = time_call(call, device, calls=1, timings=1, warmup=1)["wall"]
                 self.repeat[key] = max(1, round(seconds / max(once, 1e-6)))
@@ -102,7 +114,7 @@ class InterleavedTimer:
         for _ in range(count):
             key = self._keys[self._next % len(self._keys)]
             self._next += 1
-            with torch.inference_mode():
+            with self.grad_mode():
                 timing = time_call(self.calls[key], self.device, self.repeat[key], timings=1, warmup=0)
             for clock, t in timing.items():
                 self.times[clock][key].append(t)
@@ -111,6 +123,49 @@ class InterleavedTimer:
         """Seconds per call ``{clock: {key: s}}``: the median of each call's timings."""
         return {clock: {key: statistics.median(ts) for key, ts in by_key.items()}
                 for clock, by_key in self.times.items()}
+
+
+class TimeInCalls:
+    """Within the block, the time spent inside the model calls ``{class: method name}`` (both clocks),
+    so that a run's time splits into its calls and its loop. A call made inside another counted call
+    is not counted again. CPU devices only: on a GPU a call returns before its work is done."""
+
+    def __init__(self, methods: dict[type, str]) -> None:
+        self.methods = methods
+
+    def __enter__(self) -> dict[str, float]:
+        self.inside = dict.fromkeys(CLOCK_NAMES, 0.0)
+        self.depth = 0
+        self.originals = {cls: getattr(cls, name) for cls, name in self.methods.items()}
+        for cls, name in self.methods.items():
+            setattr(cls, name, self._timed(self.originals[cls]))
+        return self.inside
+
+    def _timed(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            self.depth += 1
+            start = stamp()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self.depth -= 1
+                if self.depth == 0:
+                    for clock, t in since(start).items():
+                        self.inside[clock] += t
+        return timed
+
+    def __exit__(self, *exc: object) -> None:
+        for cls, name in self.methods.items():
+            setattr(cls, name, self.originals[cls])
+
+
+def split_efficiency(loop: list[float], total: list[float], base_loop: list[float], base_total: list[float]) -> float:
+    """Efficiency from each run's own split into calls and loop: the median share of an arm's time
+    spent in its calls over target_only's. With the calls priced at what they took in the runs
+    themselves, a change of load between cost timings and runs cancels out."""
+    def share(loop_s: list[float], total_s: list[float]) -> float:
+        return statistics.median(1 - lo / t for lo, t in zip(loop_s, total_s))
+    return share(loop, total) / share(base_loop, base_total)
 
 
 def paired_speedup(base: Iterable[float], mine: Iterable[float]) -> float:

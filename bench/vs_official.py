@@ -53,7 +53,6 @@ import json
 import statistics
 import sys
 import tempfile
-import time
 import warnings
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -70,6 +69,7 @@ sys.path.insert(0, str(REPO / "tools"))
 
 from official_code import default_root, import_official, missing_files, randomize, tensor_cuda_as_identity  # noqa: E402
 
+from bench.pricing import since, stamp, sync  # noqa: E402
 from specray.families import format_options  # noqa: E402
 
 # Architectures, in specray's option names. "base" is GPT-B / MAR-B over the releases' 16 x 16 token
@@ -93,18 +93,13 @@ LOGITS_RTOL = 1e-5  # of the largest |output|: float32 summation order is all th
 # ---- timing -----------------------------------------------------------------------------------------
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def timed(fn: Callable[[], Any], device: torch.device) -> dict[str, float]:
     """Both clocks of one call: ``cpu`` (process CPU time) and ``wall``."""
-    _sync(device)
-    cpu, wall = time.process_time(), time.perf_counter()
+    sync(device)
+    start = stamp()
     fn()
-    _sync(device)
-    return {"cpu": time.process_time() - cpu, "wall": time.perf_counter() - wall}
+    sync(device)
+    return since(start)
 
 
 @dataclass
