@@ -22,7 +22,7 @@ exact with sequential windows; default sampling) it reports:
     batch times the slots of a verify window; CFG doubles the head's rows inside the call).
 
   Every shape used is timed in the same run (the continuous loops always feed every row of the
-  batch, so no shape needs interpolating), a few shapes after each arm's run so that the timings
+  batch, so no shape needs interpolating), a few shapes before each arm's run so that the timings
   and the runs see the same stretches of a shared machine's load (at least 24 timings per shape,
   8 with ``--quick``, each of calls filling about 20 ms; the median). Predicted time = sum over calls of the cost of
   the call's shape; pred = predicted target_only time / predicted arm time;
@@ -42,11 +42,8 @@ waits for a core on a shared machine (valid for single-threaded CPU runs only). 
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import statistics
 import sys
-import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -60,13 +57,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.pricing import (  # noqa: E402
     CLOCK_NAMES,
     InterleavedTimer,
+    add_common_args,
     batches_of,
+    finish_report,
     paired_speedup,
     parse_shape,
+    per_repetition,
+    run_in_turns,
     shape_cost,
     shape_key,
     since,
     stamp,
+    start_report,
     sync,
 )
 from specray.methods.continuous import loop  # noqa: E402
@@ -271,19 +273,12 @@ def bench_batch(pair: ModelPair, batch: int, samples: int, reps: int, gamma: int
     shapes = sorted({key for counts, *_ in counted.values() for key in counts.shapes})
     use_cfg = TargetOnly().cfg != 1.0  # the arms sample with the defaults
 
-    runs: dict[str, list[dict[str, float]]] = {name: [] for name, _, _ in arms}  # per repetition and batch
     timer = cost_timer(pair, shapes, use_cfg)
-    # Every shape is timed cost_timings times or more, a few shapes after each arm's run.
+    # Every shape is timed cost_timings times or more, a few shapes before each arm's run.
     per_run = -(-len(shapes) * cost_timings // (reps * len(work) * len(arms)))
-    turn = 0
-    for _ in range(reps):
-        for unit in work:  # every arm runs each batch in turn, the order rotating: drift hits every arm alike
-            order = arms[turn % len(arms):] + arms[: turn % len(arms)]
-            turn += 1
-            for name, method, params in order:
-                elapsed, _ = run_arm(method, params, pair, [unit], seed)
-                timer.step(per_run)
-                runs[name].append(elapsed)
+    by_name = {name: (method, params) for name, method, params in arms}
+    runs, _ = run_in_turns(list(by_name), work, reps, lambda name, unit: run_arm(*by_name[name], pair, [unit], seed)[0],
+                           lambda: timer.step(per_run))  # per repetition and batch
     costs = timer.costs()
 
     base_name = arms[0][0]
@@ -297,7 +292,7 @@ def bench_batch(pair: ModelPair, batch: int, samples: int, reps: int, gamma: int
             # paired batch by batch: a batch's runs under every arm are close in time
             mine = [t[clock] for t in runs[name]]
             base = [t[clock] for t in runs[base_name]]
-            rep_totals = [sum(mine[i : i + len(work)]) for i in range(0, len(mine), len(work))]
+            rep_totals = [t[clock] for t in per_repetition(runs[name], len(work))]
             pred_time = predicted_time(counts, costs[clock])
             predicted = predicted_time(counted[base_name][0], costs[clock]) / pred_time
             speedup = paired_speedup(base, mine)
@@ -359,57 +354,37 @@ def print_table(batch: int, samples: int, reps: int, costs: dict[str, dict[str, 
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--gamma", type=int, default=4)
-    ap.add_argument("--batches", default="1,32", help="comma-separated batch sizes")
+    add_common_args(ap, gamma=4)
     ap.add_argument("--samples", type=int, default=None,
                     help="samples at batch sizes > 1 (default: --batches-large batches)")
     ap.add_argument("--batches-large", type=int, default=None,
                     help="number of batches at batch sizes > 1 (default 2, quick 1)")
     ap.add_argument("--samples-b1", type=int, default=None, help="samples at batch 1 (default 2, quick 1)")
     ap.add_argument("--reps", type=int, default=None, help="timed repetitions (default 6, quick 3)")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (1 for stable timing)")
     ap.add_argument("--quick", action="store_true", help="fewer samples and repetitions (a few minutes)")
-    ap.add_argument("--json", type=Path, default=None, help="write the results as JSON here")
-    ap.add_argument("--clock", choices=("auto", *CLOCK_NAMES), default="auto",
-                    help="clock of the main columns (both are measured and stored); auto: cpu on a CPU "
-                         "device (robust on a shared machine), wall on CUDA")
     args = ap.parse_args(argv)
 
-    torch.set_num_threads(args.threads)
     samples_b1 = args.samples_b1 or (1 if args.quick else 2)
     batches_large = args.batches_large or (1 if args.quick else 2)
     cost_timings = 8 if args.quick else 24
     reps = args.reps or (3 if args.quick else 6)
-    device = torch.device(args.device)
-    clock = args.clock if args.clock != "auto" else ("cpu" if device.type == "cpu" else "wall")
+    device, clock, report = start_report(args, target=TARGET, draft=DRAFT, batches=[])
     pair = load_pair(TARGET, DRAFT, device)
     print(f"# specray continuous bench: {TARGET} vs {DRAFT} on {device} ({torch.get_num_threads()} thread(s), "
           f"torch {torch.__version__}), gamma={args.gamma}, seed={args.seed}")
-    started = time.perf_counter()
-    report: dict[str, Any] = {
-        "target": TARGET, "draft": DRAFT, "device": str(device), "gamma": args.gamma, "seed": args.seed,
-        "threads": torch.get_num_threads(), "torch": torch.__version__, "python": platform.python_version(),
-        "quick": args.quick, "clock": clock, "batches": [],
-    }
     for batch in [int(b) for b in args.batches.split(",")]:
         samples = samples_b1 if batch == 1 else (args.samples or batch * batches_large)
         results, costs = bench_batch(pair, batch, samples, reps, args.gamma, args.seed, cost_timings)
         print_table(batch, samples, reps, costs, results, clock, args.gamma, pair)
         report["batches"].append({"batch": batch, "samples": samples, "reps": reps, "call_costs_s": costs,
                                   "arms": [asdict(r) for r in results]})
-    report["bench_wall_s"] = time.perf_counter() - started
+    took = finish_report(report, args.json)
     print(f"\n# alpha: draft acceptance rate; len: tokens per target call; tgt, draft: head chains (one per "
           f"model step or verify) per batch; tries, caps: residual proposals per resampled token, cap hits; "
           f"speedup: vs target_only, median of paired runs (same batch, same rep); pred: predicted from the "
           f"calls, each priced at its own shape; eff = speedup / pred; ovh = time / predicted time; loop: the "
           f"loop's own time (outside the calls) per target call, in ms, and loop%: its share of the time. "
-          f"Bench took {report['bench_wall_s']:.0f} s.")
-    if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=2))
-        print(f"# wrote {args.json}")
+          f"Bench took {took:.0f} s." + (f"\n# wrote {args.json}" if args.json else ""))
 
 
 if __name__ == "__main__":

@@ -41,12 +41,8 @@ waits for a core on a shared machine (valid for single-threaded CPU runs only). 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import json
-import platform
 import statistics
 import sys
-import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -59,14 +55,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.pricing import (  # noqa: E402
     CLOCK_NAMES,
     InterleavedTimer,
-    TimeInCalls,
+    add_common_args,
     batches_of,
+    finish_report,
     paired_speedup,
     parse_shape,
+    per_repetition,
+    run_in_turns,
     shape_key,
     since,
     split_efficiency,
     stamp,
+    start_report,
     sync,
 )
 from specray.methods.diffusion.loop import run_batch  # noqa: E402
@@ -236,25 +236,14 @@ def bench_config(pair: ModelPair, num_steps: int, batch: int, samples: int, reps
     rows = rows_to_time([c for c, _ in counted.values()])
     guidance = arms[0][2].get("guidance_scale", 1.0)
 
-    times: dict[str, list[dict[str, float]]] = {name: [] for name, _, _ in arms}
-    loop_times: dict[str, list[dict[str, float]]] = {name: [] for name, _, _ in arms}
     split = pair.device.type == "cpu"
     call_costs = cost_timer(pair, rows, guidance)
-    for rep in range(reps):
-        elapsed = {name: dict.fromkeys(CLOCK_NAMES, 0.0) for name, _, _ in arms}
-        in_calls = {name: dict.fromkeys(CLOCK_NAMES, 0.0) for name, _, _ in arms}
-        for i, one_batch in enumerate(work):  # every arm runs a batch before the next: drift hits them alike
-            turn = (rep + i) % len(arms)
-            for name, method, params in arms[turn:] + arms[:turn]:  # the order rotates
-                call_costs.step(len(call_costs.calls))
-                with TimeInCalls({Denoiser: "forward"}) if split else contextlib.nullcontext(dict.fromkeys(CLOCK_NAMES, 0.0)) as inside:
-                    t, _ = run_arm(method, params, pair, [one_batch], seed)
-                for clock in CLOCK_NAMES:
-                    elapsed[name][clock] += t[clock]
-                    in_calls[name][clock] += inside[clock]
-        for name in times:
-            times[name].append(elapsed[name])
-            loop_times[name].append({c: elapsed[name][c] - in_calls[name][c] for c in CLOCK_NAMES})
+    by_name = {name: (method, params) for name, method, params in arms}
+    runs, outside = run_in_turns(
+        list(by_name), work, reps, lambda name, unit: run_arm(*by_name[name], pair, [unit], seed)[0],
+        lambda: call_costs.step(len(call_costs.calls)), {Denoiser: "forward"} if split else None)
+    times = {name: per_repetition(r, len(work)) for name, r in runs.items()}
+    loop_times = {name: per_repetition(r, len(work)) for name, r in outside.items()}
     costs = call_costs.costs()
 
     base_name = arms[0][0]
@@ -317,37 +306,21 @@ def print_table(num_steps: int, batch: int, samples: int, reps: int, costs: dict
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--gamma", type=int, default=7)
+    add_common_args(ap, gamma=7)
     ap.add_argument("--steps", default=None, help="comma-separated numbers of steps K (default 100, quick 50)")
-    ap.add_argument("--batches", default="1,32", help="comma-separated batch sizes")
     ap.add_argument("--samples-b1", type=int, default=None, help="samples at batch 1 (default 3, quick 2)")
     ap.add_argument("--batches-large", type=int, default=1, help="number of batches at batch sizes > 1")
     ap.add_argument("--reps", type=int, default=None, help="timed repetitions (default 6, quick 2)")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (1 for stable timing)")
-    ap.add_argument("--quick", action="store_true", help="K=50, fewer samples and repetitions (~2 min)")
-    ap.add_argument("--json", type=Path, default=None, help="write the results as JSON here")
-    ap.add_argument("--clock", choices=("auto", *CLOCK_NAMES), default="auto",
-                    help="clock of the main columns (both are measured and stored); auto: cpu on a CPU "
-                         "device (robust on a shared machine), wall on CUDA")
+    ap.add_argument("--quick", action="store_true", help="K=50, fewer samples and repetitions")
     args = ap.parse_args(argv)
 
-    torch.set_num_threads(args.threads)
     steps = [int(k) for k in (args.steps or ("50" if args.quick else "100")).split(",")]
     samples_b1 = args.samples_b1 or (2 if args.quick else 3)
     reps = args.reps or (2 if args.quick else 6)
-    device = torch.device(args.device)
-    clock = args.clock if args.clock != "auto" else ("cpu" if device.type == "cpu" else "wall")
+    device, clock, report = start_report(args, target=TARGET, draft=DRAFT, configs=[])
     pair = load_pair(TARGET, DRAFT, device)
     print(f"# specray diffusion bench: {TARGET} vs {DRAFT} on {device} ({torch.get_num_threads()} thread(s), "
           f"torch {torch.__version__}), gamma={args.gamma}, seed={args.seed}")
-    started = time.perf_counter()
-    report: dict[str, Any] = {
-        "target": TARGET, "draft": DRAFT, "device": str(device), "gamma": args.gamma, "seed": args.seed,
-        "threads": torch.get_num_threads(), "torch": torch.__version__, "python": platform.python_version(),
-        "quick": args.quick, "clock": clock, "configs": [],
-    }
     for num_steps in steps:
         for batch in [int(b) for b in args.batches.split(",")]:
             samples = samples_b1 if batch == 1 else batch * args.batches_large
@@ -355,16 +328,12 @@ def main(argv: list[str] | None = None) -> None:
             print_table(num_steps, batch, samples, reps, costs, results, clock, args.gamma)
             report["configs"].append({"num_steps": num_steps, "batch": batch, "samples": samples, "reps": reps,
                                       "call_costs_s": costs, "arms": [asdict(r) for r in results]})
-    report["bench_wall_s"] = time.perf_counter() - started
+    took = finish_report(report, args.json)
     print(f"\n# BE: steps per round; tgt, draft: sequential calls per sample; states: target states per sample; "
           f"speedup: vs target_only, median of paired reps; pred: predicted from the calls, each priced at its "
           f"own shape; eff = speedup / pred; ovh = time / predicted time; run-eff: eff from each run's own split "
           f"into calls and loop; loop/rnd: ms outside the calls per round (target_only: per step). "
-          f"Bench took {report['bench_wall_s']:.0f} s.")
-    if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=2))
-        print(f"# wrote {args.json}")
+          f"Bench took {took:.0f} s." + (f"\n# wrote {args.json}" if args.json else ""))
 
 
 if __name__ == "__main__":

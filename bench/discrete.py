@@ -44,12 +44,8 @@ waits for a core on a shared machine (valid for single-threaded CPU runs only). 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import json
-import platform
 import statistics
 import sys
-import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -62,16 +58,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.pricing import (  # noqa: E402
     CLOCK_NAMES,
     InterleavedTimer,
-    TimeInCalls,
+    add_common_args,
     batches_of,
+    finish_report,
     paired_speedup,
     parse_shape,
     partial_rows_grid,
+    per_repetition,
+    run_in_turns,
     shape_cost,
     shape_key,
     since,
     split_efficiency,
     stamp,
+    start_report,
     sync,
 )
 from specray.methods.discrete.eagle_loop import HeadStream, TargetStream  # noqa: E402
@@ -273,24 +273,12 @@ def bench_batch(pairs: dict[str, ModelPair], batch: int, samples: int, reps: int
     turns = reps * len(work) * len(arms)
     per_turn = max(1, -(-cost_timings * len(shapes) // turns))  # each shape timed about cost_timings times
     split = pairs[DRAFT].device.type == "cpu"
-    times: dict[str, list[dict[str, float]]] = {name: [] for name, _, _, _ in arms}
-    loop_times: dict[str, list[dict[str, float]]] = {name: [] for name, _, _, _ in arms}
-    for rep in range(reps):
-        elapsed = {name: dict.fromkeys(CLOCK_NAMES, 0.0) for name, _, _, _ in arms}
-        in_calls = {name: dict.fromkeys(CLOCK_NAMES, 0.0) for name, _, _, _ in arms}
-        for i, one_batch in enumerate(work):  # every arm runs a batch before the next: drift hits them alike
-            turn = (rep + i) % len(arms)
-            for name, method, params, pair in arms[turn:] + arms[:turn]:  # the order rotates
-                timer.step(per_turn)
-                with TimeInCalls(MODEL_CALLS) if split else contextlib.nullcontext(dict.fromkeys(CLOCK_NAMES, 0.0)) \
-                        as inside:
-                    t, _ = run_arm(method, params, pair, [one_batch], seed)
-                for clock in CLOCK_NAMES:
-                    elapsed[name][clock] += t[clock]
-                    in_calls[name][clock] += inside[clock]
-        for name in times:
-            times[name].append(elapsed[name])
-            loop_times[name].append({c: elapsed[name][c] - in_calls[name][c] for c in CLOCK_NAMES})
+    by_name = {name: (method, params, pair) for name, method, params, pair in arms}
+    runs, outside = run_in_turns(
+        list(by_name), work, reps, lambda name, unit: run_arm(*by_name[name], [unit], seed)[0],
+        lambda: timer.step(per_turn), MODEL_CALLS if split else None)
+    times = {name: per_repetition(r, len(work)) for name, r in runs.items()}
+    loop_times = {name: per_repetition(r, len(work)) for name, r in outside.items()}
     costs = timer.costs()
 
     base_name = arms[0][0]
@@ -373,57 +361,36 @@ def _opt(x: float | None, fmt: str) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--gamma", type=int, default=4)
-    ap.add_argument("--batches", default="1,32", help="comma-separated batch sizes")
+    add_common_args(ap, gamma=4)
     ap.add_argument("--samples-b1", type=int, default=None, help="samples at batch 1 (default 12, quick 4)")
     ap.add_argument("--batches-large", type=int, default=None,
                     help="number of batches at batch sizes > 1 (default 2, quick 1)")
     ap.add_argument("--reps", type=int, default=None, help="timed repetitions (default 7, quick 3)")
     ap.add_argument("--cost-timings", type=int, default=None, help="timings per call shape (default 24, quick 8)")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (1 for stable timing)")
-    ap.add_argument("--quick", action="store_true", help="fewer samples and repetitions (~1 min)")
-    ap.add_argument("--json", type=Path, default=None, help="write the results as JSON here")
-    ap.add_argument("--clock", choices=("auto", *CLOCK_NAMES), default="auto",
-                    help="clock of the main columns (both are measured and stored); auto: cpu on a CPU "
-                         "device (robust on a shared machine), wall on CUDA")
+    ap.add_argument("--quick", action="store_true", help="fewer samples and repetitions")
     args = ap.parse_args(argv)
 
-    torch.set_num_threads(args.threads)
     samples_b1 = args.samples_b1 or (4 if args.quick else 12)
     batches_large = args.batches_large or (1 if args.quick else 2)
     reps = args.reps or (3 if args.quick else 7)
     cost_timings = args.cost_timings or (8 if args.quick else 24)
-    device = torch.device(args.device)
-    clock = args.clock if args.clock != "auto" else ("cpu" if device.type == "cpu" else "wall")
+    device, clock, report = start_report(args, target=TARGET, draft=DRAFT, head=HEAD, batches=[])
     pairs = {DRAFT: load_pair(TARGET, DRAFT, device), HEAD: load_pair(TARGET, HEAD, device)}
-    pair = pairs[DRAFT]
-    print(f"# specray discrete bench: {pair.target_name} vs {DRAFT} and {HEAD} on {device} "
+    print(f"# specray discrete bench: {TARGET} vs {DRAFT} and {HEAD} on {device} "
           f"({torch.get_num_threads()} thread(s), torch {torch.__version__}), gamma={args.gamma}, seed={args.seed}")
-    started = time.perf_counter()
-    report: dict[str, Any] = {
-        "target": pair.target_name, "draft": pair.draft_name, "head": HEAD, "device": str(device), "gamma": args.gamma,
-        "seed": args.seed, "threads": torch.get_num_threads(), "torch": torch.__version__,
-        "python": platform.python_version(), "quick": args.quick, "clock": clock, "batches": [],
-    }
     for batch in [int(b) for b in args.batches.split(",")]:
         samples = samples_b1 if batch == 1 else batch * batches_large
         results, costs = bench_batch(pairs, batch, samples, reps, args.gamma, args.seed, cost_timings)
         print_table(batch, samples, reps, costs, results, clock, args.gamma)
         report["batches"].append({"batch": batch, "samples": samples, "reps": reps, "call_costs_s": costs,
                                   "arms": [asdict(r) for r in results]})
-    report["bench_wall_s"] = time.perf_counter() - started
+    took = finish_report(report, args.json)
     print(f"\n# len: mean acceptance length (tokens per target call); alpha: draft acceptance rate; tgt, draft: "
           f"batch-level calls per batch; d2: 2-token draft calls per batch; part: share of calls on fewer rows "
           f"than the batch; speedup: vs target_only, median of paired reps; pred: predicted "
           f"from the calls, each priced at its own shape; eff = speedup / pred; ovh = time / predicted time; "
           f"run-eff: eff from each run's own split into calls and loop; loop: ms outside the calls per target call. "
-          f"Bench took {report['bench_wall_s']:.0f} s.")
-    if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=2))
-        print(f"# wrote {args.json}")
+          f"Bench took {took:.0f} s." + (f"\n# wrote {args.json}" if args.json else ""))
 
 
 if __name__ == "__main__":

@@ -11,10 +11,14 @@ single-threaded torch on CPU only: it misses asynchronous GPU work).
 
 from __future__ import annotations
 
+import argparse
 import contextlib
+import json
+import platform
 import statistics
 import time
 from collections.abc import Callable, Iterable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -171,3 +175,69 @@ def split_efficiency(loop: list[float], total: list[float], base_loop: list[floa
 def paired_speedup(base: Iterable[float], mine: Iterable[float]) -> float:
     """Median over repetitions of base time / this arm's time in the same repetition."""
     return statistics.median(b / m for b, m in zip(base, mine))
+
+
+def run_in_turns(names: list[str], work: list, reps: int, run: Callable[[str, Any], dict[str, float]],
+                 between: Callable[[], None], model_calls: dict[type, str] | None = None,
+                 ) -> tuple[dict[str, list[dict[str, float]]], dict[str, list[dict[str, float]]]]:
+    """Time ``run(name, batch)`` for every arm on every batch of ``work``, ``reps`` times. The arms take
+    turns batch by batch (every arm runs a batch before any runs the next; the order rotates each
+    time), so drift on a shared machine hits them alike; ``between`` (the cost timings) runs before
+    each arm's batch. Returns per arm, run by run (repetition-major): the elapsed ``{clock: s}``, and
+    the time outside ``model_calls`` (:class:`TimeInCalls`; the elapsed time when not given)."""
+    elapsed: dict[str, list[dict[str, float]]] = {name: [] for name in names}
+    outside: dict[str, list[dict[str, float]]] = {name: [] for name in names}
+    turn = 0
+    for _ in range(reps):
+        for unit in work:
+            for name in names[turn % len(names):] + names[: turn % len(names)]:
+                between()
+                with TimeInCalls(model_calls) if model_calls else contextlib.nullcontext(
+                        dict.fromkeys(CLOCK_NAMES, 0.0)) as inside:
+                    t = run(name, unit)
+                elapsed[name].append(t)
+                outside[name].append({clock: t[clock] - inside[clock] for clock in CLOCK_NAMES})
+            turn += 1
+    return elapsed, outside
+
+
+def per_repetition(runs: list[dict[str, float]], batches: int) -> list[dict[str, float]]:
+    """``{clock: s}`` summed over each repetition's ``batches`` consecutive runs."""
+    return [{clock: sum(r[clock] for r in runs[i : i + batches]) for clock in CLOCK_NAMES}
+            for i in range(0, len(runs), batches)]
+
+
+# ---- command line and report ----------------------------------------------------------------------
+
+
+def add_common_args(ap: argparse.ArgumentParser, gamma: int) -> None:
+    """The options every family bench takes."""
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--gamma", type=int, default=gamma)
+    ap.add_argument("--batches", default="1,32", help="comma-separated batch sizes")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (1 for stable timing)")
+    ap.add_argument("--json", type=Path, default=None, help="write the results as JSON here")
+    ap.add_argument("--clock", choices=("auto", *CLOCK_NAMES), default="auto",
+                    help="clock of the main columns (both are measured and stored); auto: cpu on a CPU "
+                         "device (robust on a shared machine), wall on CUDA")
+
+
+def start_report(args: argparse.Namespace, **fields: Any) -> tuple[torch.device, str, dict[str, Any]]:
+    """Set torch's threads; return the device, the main clock and the report's header."""
+    torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    clock = args.clock if args.clock != "auto" else ("cpu" if device.type == "cpu" else "wall")
+    report = {**fields, "device": str(device), "gamma": args.gamma, "seed": args.seed,
+              "threads": torch.get_num_threads(), "torch": torch.__version__, "python": platform.python_version(),
+              "quick": args.quick, "clock": clock, "started": time.perf_counter()}
+    return device, clock, report
+
+
+def finish_report(report: dict[str, Any], path: Path | None) -> float:
+    """Record the bench's wall time, write the report to ``path`` if given; return the wall time."""
+    report["bench_wall_s"] = time.perf_counter() - report.pop("started")
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(report, indent=2))
+    return report["bench_wall_s"]
