@@ -63,6 +63,7 @@ from bench.pricing import (  # noqa: E402
     paired_speedup,
     parse_shape,
     per_repetition,
+    run_arm,
     run_in_turns,
     shape_cost,
     shape_key,
@@ -138,15 +139,6 @@ class ArmResult:
 
 
 
-def run_arm(method: str, params: dict[str, Any], pair: ModelPair, work: list, seed: int) -> tuple[dict[str, float], list]:
-    sync(pair.device)
-    start = stamp()
-    stats = []
-    for labels, sids in work:
-        stats += loop.run_batch(method, params, pair, labels, sids, seed).stats
-    sync(pair.device)
-    return since(start), stats
-
 
 def count_calls(method: str, params: dict[str, Any], pair: ModelPair,
                 work: list, seed: int) -> tuple[CallCounts, list, dict[str, float], dict[str, float]]:
@@ -197,7 +189,7 @@ def count_calls(method: str, params: dict[str, Any], pair: ModelPair,
     ContinuousAR.new_cache, ContinuousAR.append_tokens = counted_new_cache, counted_append  # type: ignore[method-assign]
     ContinuousAR.query, loop.head_chain = counted_query, counted_head  # type: ignore[method-assign]
     try:
-        total, stats = run_arm(method, params, pair, work, seed)
+        total, stats = run_arm(loop.run_batch, method, params, pair, work, seed)
     finally:
         ContinuousAR.new_cache, ContinuousAR.append_tokens = new_cache, append_tokens  # type: ignore[method-assign]
         ContinuousAR.query, loop.head_chain = query, head_chain  # type: ignore[method-assign]
@@ -277,8 +269,9 @@ def bench_batch(pair: ModelPair, batch: int, samples: int, reps: int, gamma: int
     # Every shape is timed cost_timings times or more, a few shapes before each arm's run.
     per_run = -(-len(shapes) * cost_timings // (reps * len(work) * len(arms)))
     by_name = {name: (method, params) for name, method, params in arms}
-    runs, _ = run_in_turns(list(by_name), work, reps, lambda name, unit: run_arm(*by_name[name], pair, [unit], seed)[0],
-                           lambda: timer.step(per_run))  # per repetition and batch
+    runs, _ = run_in_turns(  # per repetition and batch
+        list(by_name), work, reps, lambda name, unit: run_arm(loop.run_batch, *by_name[name], pair, [unit], seed)[0],
+        lambda: timer.step(per_run))
     costs = timer.costs()
 
     base_name = arms[0][0]

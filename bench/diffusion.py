@@ -61,13 +61,11 @@ from bench.pricing import (  # noqa: E402
     paired_speedup,
     parse_shape,
     per_repetition,
+    run_arm,
     run_in_turns,
     shape_key,
-    since,
     split_efficiency,
-    stamp,
     start_report,
-    sync,
 )
 from specray.methods.diffusion.loop import run_batch  # noqa: E402
 from specray.models.diffusion import Denoiser, load_pair  # noqa: E402
@@ -107,15 +105,6 @@ class CallCounts:
 
 
 
-def run_arm(method: str, params: dict[str, Any], pair: ModelPair, work: list,
-            seed: int) -> tuple[dict[str, float], list]:
-    """Time one arm on every batch of ``work`` (both clocks); returns the time and each batch's stats."""
-    sync(pair.device)
-    start = stamp()
-    stats = [run_batch(method, params, pair, labels, sids, seed).stats for labels, sids in work]
-    sync(pair.device)
-    return since(start), stats
-
 
 def count_calls(method: str, params: dict[str, Any], pair: ModelPair, work: list, seed: int) -> tuple[CallCounts, list]:
     """Untimed pass with :meth:`Denoiser.forward` wrapped: every call counted by model and rows fed."""
@@ -128,7 +117,7 @@ def count_calls(method: str, params: dict[str, Any], pair: ModelPair, work: list
 
     Denoiser.forward = counted  # type: ignore[method-assign]
     try:
-        _, stats = run_arm(method, params, pair, work, seed)
+        stats = [run_arm(run_batch, method, params, pair, [unit], seed)[1] for unit in work]  # per batch
     finally:
         Denoiser.forward = original  # type: ignore[method-assign]
     if method == "target_only":
@@ -240,7 +229,7 @@ def bench_config(pair: ModelPair, num_steps: int, batch: int, samples: int, reps
     call_costs = cost_timer(pair, rows, guidance)
     by_name = {name: (method, params) for name, method, params in arms}
     runs, outside = run_in_turns(
-        list(by_name), work, reps, lambda name, unit: run_arm(*by_name[name], pair, [unit], seed)[0],
+        list(by_name), work, reps, lambda name, unit: run_arm(run_batch, *by_name[name], pair, [unit], seed)[0],
         lambda: call_costs.step(len(call_costs.calls)), {Denoiser: "forward"} if split else None)
     times = {name: per_repetition(r, len(work)) for name, r in runs.items()}
     loop_times = {name: per_repetition(r, len(work)) for name, r in outside.items()}

@@ -65,14 +65,12 @@ from bench.pricing import (  # noqa: E402
     parse_shape,
     partial_rows_grid,
     per_repetition,
+    run_arm,
     run_in_turns,
     shape_cost,
     shape_key,
-    since,
     split_efficiency,
-    stamp,
     start_report,
-    sync,
 )
 from specray.methods.discrete.eagle_loop import HeadStream, TargetStream  # noqa: E402
 from specray.methods.discrete.loop import GuidedModel, run_batch  # noqa: E402
@@ -151,15 +149,6 @@ class ArmResult:
 
 
 
-def run_arm(method: str, params: dict[str, Any], pair: ModelPair, work: list, seed: int) -> tuple[dict[str, float], list]:
-    sync(pair.device)
-    start = stamp()
-    stats = []
-    for labels, sids in work:
-        stats += run_batch(method, params, pair, labels, sids, seed).stats
-    sync(pair.device)
-    return since(start), stats
-
 
 def count_calls(method: str, params: dict[str, Any], pair: ModelPair, work: list, seed: int) -> tuple[CallCounts, list]:
     """Untimed pass with the model calls wrapped (:meth:`GuidedModel.forward`, the head streams'
@@ -185,7 +174,7 @@ def count_calls(method: str, params: dict[str, Any], pair: ModelPair, work: list
     for cls, name in methods.items():
         setattr(cls, name, counter(cls, roles[cls]))
     try:
-        _, stats = run_arm(method, params, pair, work, seed)
+        _, stats = run_arm(run_batch, method, params, pair, work, seed)
     finally:
         for cls, name in methods.items():
             setattr(cls, name, originals[cls])
@@ -265,7 +254,7 @@ def bench_batch(pairs: dict[str, ModelPair], batch: int, samples: int, reps: int
             for name, method, params, draft in ARMS]
     # Warm-up (allocator, kernels, neighbour tables), then the untimed counting pass.
     for _, method, params, pair in arms:
-        run_arm(method, params, pair, work[:1], seed)
+        run_arm(run_batch, method, params, pair, work[:1], seed)
     counted = {name: count_calls(method, params, pair, work, seed) for name, method, params, pair in arms}
 
     shapes = shapes_to_time([c for c, _ in counted.values()], batch)
@@ -275,7 +264,7 @@ def bench_batch(pairs: dict[str, ModelPair], batch: int, samples: int, reps: int
     split = pairs[DRAFT].device.type == "cpu"
     by_name = {name: (method, params, pair) for name, method, params, pair in arms}
     runs, outside = run_in_turns(
-        list(by_name), work, reps, lambda name, unit: run_arm(*by_name[name], [unit], seed)[0],
+        list(by_name), work, reps, lambda name, unit: run_arm(run_batch, *by_name[name], [unit], seed)[0],
         lambda: timer.step(per_turn), MODEL_CALLS if split else None)
     times = {name: per_repetition(r, len(work)) for name, r in runs.items()}
     loop_times = {name: per_repetition(r, len(work)) for name, r in outside.items()}
@@ -335,7 +324,8 @@ def print_table(batch: int, samples: int, reps: int, costs: dict[str, dict[str, 
         print(f"   calls on fewer rows (tail rounds) timed at rows {grid}, linear in between; e.g. at 1 row: "
               f"verify {ms('target', gamma + 1, 1)}, draft {ms('draft', 1, 1)}, draft 2 tokens {ms('draft', 2, 1)}")
     header = (f"{'method':<17} {'len':>5} {'alpha':>6} {'tgt':>5} {'draft':>6} {'d2':>5} {'part':>5} {'ms/sample':>10} "
-              f"{'speedup':>8} {'pred':>6} {'eff':>5} {'ovh':>5} {'run-eff':>7} {'loop':>6} | {'speedup':>8} {'eff':>5} ({other})")
+              f"{'speedup':>8} {'pred':>6} {'eff':>5} {'ovh':>5} {'run-eff':>7} {'loop':>6} | "
+              f"{'speedup':>8} {'eff':>5} ({other})")
     print(header)
     print("-" * len(header))
     per_batch = samples / batch

@@ -41,7 +41,8 @@ def since(start: tuple[float, float]) -> dict[str, float]:
 
 
 def batches_of(samples: int, batch: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Sample ids 0..samples-1 in batches of ``(labels, sample ids)``; label = sample id mod 10 (every class appears)."""
+    """Sample ids 0..samples-1 in batches of ``(labels, sample ids)``; label = sample id mod 10
+    (every class appears)."""
     out = []
     for start in range(0, samples, batch):
         sids = torch.arange(start, min(start + batch, samples), dtype=torch.int64)
@@ -175,6 +176,19 @@ def split_efficiency(loop: list[float], total: list[float], base_loop: list[floa
 def paired_speedup(base: Iterable[float], mine: Iterable[float]) -> float:
     """Median over repetitions of base time / this arm's time in the same repetition."""
     return statistics.median(b / m for b, m in zip(base, mine))
+
+
+def run_arm(run_batch: Callable[..., Any], method: str, params: dict[str, Any], pair: Any, work: list,
+            seed: int) -> tuple[dict[str, float], list]:
+    """Time one arm of a family's ``run_batch`` on every batch of ``work`` (both clocks); returns the
+    time and every sample's stats."""
+    sync(pair.device)
+    start = stamp()
+    stats = []
+    for labels, sids in work:
+        stats += run_batch(method, params, pair, labels, sids, seed).stats
+    sync(pair.device)
+    return since(start), stats
 
 
 def run_in_turns(names: list[str], work: list, reps: int, run: Callable[[str, Any], dict[str, float]],
