@@ -175,24 +175,24 @@ def _chain(method: Method, params: Speculative, pair: ModelPair, labels: torch.T
     uniforms = RoundUniforms(seed, sample_ids, num_tokens + gamma + 1)
     all_rows = torch.arange(batch, device=device)
     steps = torch.arange(gamma + 1, device=device)
-    vocab = target_model.config.vocab_size
     for it in range(num_tokens):
         rnd = _next_round(committed, num_tokens, gamma, labels, tokens, all_rows, steps)
         if rnd is None:
             break
         u = uniforms.round(it, rnd.idx, rnd.positions[:, :gamma])
-        r = rnd.idx.shape[0]
-        drafts = torch.zeros(r, gamma, dtype=torch.int64, device=device)
-        Q = torch.zeros(r, gamma, vocab, dtype=torch.float32, device=device)
         q, predicted = _catch_up(head, target, rnd.idx, rnd.n, rnd.tokens, gamma + 1)
-        for i in range(gamma):
+        # Per-step columns split off once, the laws and drafts stacked once (fewer ops than indexing).
+        later_positions = rnd.positions[:, 1:gamma].split(1, dim=1)
+        qs, ds = [], []
+        for i, u_draft in enumerate(u[:, :, 0].unbind(1)):
             if i:
-                positions = rnd.positions[:, i : i + 1]
-                q, out = head.probs(rnd.idx, predicted[:, None], drafts[:, i - 1 : i], positions, positions,
+                positions = later_positions[i - 1]
+                q, out = head.probs(rnd.idx, predicted[:, None], ds[-1][:, None], positions, positions,
                                     _causal(positions, max_len, first=1))
                 q, predicted = q[:, 0], out[:, 0]
-            Q[:, i] = q
-            drafts[:, i] = rng.sample_categorical(q, u[:, i, 0])
+            qs.append(q)
+            ds.append(rng.sample_categorical(q, u_draft))
+        drafts, Q = torch.stack(ds, dim=1), torch.stack(qs, dim=1)
         rnd.tokens.scatter_(1, rnd.positions[:, :gamma], drafts)
         P, hidden = target.probs(rnd.idx, rnd.tokens.gather(1, rnd.fed_positions), rnd.positions, rnd.positions,
                                  _causal(rnd.positions, max_len))
