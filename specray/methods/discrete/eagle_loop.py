@@ -184,15 +184,15 @@ def _chain(method: Method, params: Speculative, pair: ModelPair, labels: torch.T
         # Per-step columns split off once, the laws and drafts stacked once (fewer ops than indexing).
         later_positions = rnd.positions[:, 1:gamma].split(1, dim=1)
         qs, ds = [], []
-        for i, u_draft in enumerate(u[:, :, 0].unbind(1)):
+        for i, u_draft in enumerate(u[:, :, 0].split(1, dim=1)):
             if i:
                 positions = later_positions[i - 1]
-                q, out = head.probs(rnd.idx, predicted[:, None], ds[-1][:, None], positions, positions,
+                q, out = head.probs(rnd.idx, predicted[:, None], ds[-1], positions, positions,
                                     _causal(positions, max_len, first=1))
                 q, predicted = q[:, 0], out[:, 0]
             qs.append(q)
-            ds.append(rng.sample_categorical(q, u_draft))
-        drafts, Q = torch.stack(ds, dim=1), torch.stack(qs, dim=1)
+            ds.append(rng.sample_categorical_keepdim(q, u_draft))  # [r, 1]: the next step's fed column
+        drafts, Q = torch.cat(ds, dim=1), torch.stack(qs, dim=1)
         rnd.tokens.scatter_(1, rnd.positions[:, :gamma], drafts)
         P, hidden = target.probs(rnd.idx, rnd.tokens.gather(1, rnd.fed_positions), rnd.positions, rnd.positions,
                                  _causal(rnd.positions, max_len))

@@ -295,13 +295,13 @@ def _draft_every_row(stream: GuidedModel, rnd: _Round, u_draft: torch.Tensor, fi
         fed = rnd.tokens.gather(1, positions - 1)
     later_positions = rnd.positions[:, 1:gamma].split(1, dim=1)
     qs, ds = [], []
-    for i, u in enumerate(u_draft.unbind(1)):
+    for i, u in enumerate(u_draft.split(1, dim=1)):
         if i > 0:
-            positions, fed = later_positions[i - 1], ds[-1][:, None]
+            positions, fed = later_positions[i - 1], ds[-1]
         q = stream.probs(rnd.idx, fed, positions, all_rows=rnd.full, prefix=first_round and i == 0)[:, -1]
         qs.append(q)
-        ds.append(rng.sample_categorical(q, u))
-    return torch.stack(ds, dim=1), torch.stack(qs, dim=1)
+        ds.append(rng.sample_categorical_keepdim(q, u))  # [r, 1]: the next step's fed column
+    return torch.cat(ds, dim=1), torch.stack(qs, dim=1)
 
 
 def _target_probs(stream: GuidedModel, rnd: _Round, drafts: torch.Tensor, gamma: int) -> torch.Tensor:
