@@ -268,6 +268,10 @@ class _TreePlan:
         self.positions = torch.arange(num_positions, device=device)
         self.chunk = max(4, min(32, 256 // max(1, sample_ids.shape[0])))
         self.chunks: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        # visible()'s round-independent parts, built once (a few ops fewer per head and verify call)
+        self.tree_slot_ids = torch.arange(self.spare, device=device)
+        self._slot_masks: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._on_path: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(nodes) -> (nodes, rows of visible)
 
     def uniforms(self, step: int, idx: torch.Tensor, n: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Uniforms ``[r, N+1]`` of streams draft and accept per node, and the residual ``[r]``, of rows ``idx``."""
@@ -289,26 +293,34 @@ class _TreePlan:
     def visible(self, n: torch.Tensor, nodes: torch.Tensor, max_len: int, first: int) -> torch.Tensor:
         """``visible [r, len(nodes), S]``: committed slots ``first .. n - 1`` and the nodes' own root path."""
         r = n.shape[0]
-        slots = torch.arange(max_len, device=n.device)
-        committed = ((slots >= first) & (slots < n[:, None]))[:, None, :].expand(r, nodes.shape[0], max_len)
-        tree_slots = (n[:, None] + torch.arange(self.spare, device=n.device))[:, None, :]
-        on_path = self.index.visible[nodes][None].expand(r, -1, -1)
+        if (max_len, first) not in self._slot_masks:
+            slots = torch.arange(max_len, device=n.device)
+            self._slot_masks[max_len, first] = slots, slots >= first
+        slots, from_first = self._slot_masks[max_len, first]
+        entry = self._on_path.get(id(nodes))
+        if entry is None or entry[0] is not nodes:  # keeps `nodes` alive, so its id is not reused
+            entry = self._on_path[id(nodes)] = nodes, self.index.visible[nodes]
+        n_col = n[:, None]
+        committed = (from_first & (slots < n_col))[:, None, :].expand(r, nodes.shape[0], max_len)
+        tree_slots = (n_col + self.tree_slot_ids)[:, None, :]
+        on_path = entry[1][None].expand(r, -1, -1)
         return committed.clone().scatter_(2, tree_slots.expand(-1, nodes.shape[0], -1), on_path)
 
-    def draw_children(self, depth: int, q: torch.Tensor, u_draft: torch.Tensor, node_tokens: torch.Tensor,
+    def draw_children(self, depth: int, q: torch.Tensor, u: torch.Tensor, node_tokens: torch.Tensor,
                       node_valid: torch.Tensor) -> None:
         """Children of depth ``depth``'s internal nodes, without replacement from their laws ``q [r, L, V]``.
 
-        ``node_tokens`` / ``node_valid`` ``[r, N+2]``: a spare last column takes the absent children's writes.
+        ``node_tokens`` / ``node_valid`` ``[r, N+2]``: a spare last column takes the absent children's writes;
+        ``u [r, N+2]``: the round's draft uniforms per node, and a spare column for absent children (a copy
+        of column 0, made once per round).
         """
         nodes, _, _, slots = self.levels[depth]
         left = q.to(torch.float64)
         parent_valid = node_valid[:, nodes]
-        u = torch.cat([u_draft, u_draft[:, :1]], 1)  # a spare column for absent children
         for kids, exists in slots:
-            mass = left.sum(-1)
-            drawn = exists & (mass > 0) & parent_valid
-            token = rng.sample_categorical(torch.where(mass[..., None] > 0, left, 1.0), u[:, kids])
+            positive = left.sum(-1) > 0
+            drawn = exists & positive & parent_valid
+            token = rng.sample_categorical(torch.where(positive[..., None], left, 1.0), u[:, kids])
             node_tokens[:, kids] = torch.where(drawn, token, 0)
             node_valid[:, kids] = drawn
             left = left.masked_fill(torch.zeros_like(left, dtype=torch.bool).scatter_(-1, token[..., None],
@@ -353,6 +365,7 @@ def _tree(params: Speculative, pair: ModelPair, labels: torch.Tensor, sample_ids
         predicted = torch.zeros(2 * r if head.guided else r, nodes, target_model.config.dim, device=device)
         q, predicted[:, 0] = _catch_up(head, target, idx, n, row_tokens, depth + 1)
         Q[:, 0] = q
+        u_draft = torch.cat([u_draft, u_draft[:, :1]], 1)  # draw_children's spare column
         plan.draw_children(0, q[:, None], u_draft, node_tokens, node_valid)
         for t in range(1, depth):
             level, internal, parents, _ = plan.levels[t]

@@ -315,7 +315,10 @@ def correction_dist(rule: str, P: torch.Tensor, Q: torch.Tensor, drafts: torch.T
         # Only LANTERN's official residual reads the rejected draft.
         draft_j = _row_at(drafts, j) if rule == "lantern" and params.residual == "official" else None
         residual, guard = rejection_residual(rule, p_j, q_j, draft_j, params, omega)
-    fallback = (residual.sum(-1) <= 0) & ~is_bonus
+    empty = residual.sum(-1) <= 0
+    fallback = empty & ~is_bonus
+    if guard is p_j:  # bonus and fallback rows both take p_j: one where
+        return torch.where((empty | is_bonus).unsqueeze(-1), p_j, residual), fallback
     residual = torch.where(fallback.unsqueeze(-1), guard, residual)
     return torch.where(is_bonus.unsqueeze(-1), p_j, residual), fallback
 
@@ -394,10 +397,13 @@ CorrectionFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
 def _verify_impl(rule: str, P: torch.Tensor, Q: torch.Tensor, drafts: torch.Tensor,
                  u_accept: torch.Tensor, u_residual: torch.Tensor, params: RuleParams,
-                 correction_fn: CorrectionFn = correction_dist) -> tuple[VerifyOutput, VerifyDetails]:
-    """The round; ``correction_fn`` exists only so tests can inject a wrong residual (negative control)."""
-    validate_params(rule, params)
-    _validate_shapes(P, Q, drafts, u_accept, u_residual)
+                 correction_fn: CorrectionFn = correction_dist,
+                 validate: bool = True) -> tuple[VerifyOutput, VerifyDetails]:
+    """The round; ``correction_fn`` exists only so tests can inject a wrong residual (negative control).
+    ``validate=False``: the caller vouches for the parameters (validated once) and the shapes."""
+    if validate:
+        validate_params(rule, params)
+        _validate_shapes(P, Q, drafts, u_accept, u_residual)
     device = P.device
     P64, Q64 = normalise(P), normalise(_as(Q, Q.dtype, device))
     drafts = _as(drafts, torch.int64, device)
@@ -411,7 +417,7 @@ def _verify_impl(rule: str, P: torch.Tensor, Q: torch.Tensor, drafts: torch.Tens
     dist = dist / dist.sum(-1, keepdim=True)
     next_token = sample_categorical(dist, _as(u_residual, _F64, device))
     gamma = drafts.shape[1]
-    accepted_mask = _arange(gamma, device).unsqueeze(0) < n_accepted.unsqueeze(1)
+    accepted_mask = _columns_row(gamma, device) < n_accepted.unsqueeze(1)
     output = VerifyOutput(n_accepted=n_accepted, next_token=next_token, accepted_mask=accepted_mask)
     return output, VerifyDetails(pass_probs=pass_probs, next_token_probs=dist, residual_fallback=fallback)
 
@@ -494,6 +500,7 @@ def verifier_for(params: method_params.Speculative, pair) -> Verifier:
     rule_params = rule_params_for_pair(params, pair)
 
     def verify_round(P, Q, drafts, u_accept, u_residual) -> VerifyOutput:
-        return verify(params.rule, P, Q, drafts, u_accept, u_residual, rule_params)
+        # rule_params were validated above; the loops build the shapes verify expects.
+        return _verify_impl(params.rule, P, Q, drafts, u_accept, u_residual, rule_params, validate=False)[0]
 
     return verify_round

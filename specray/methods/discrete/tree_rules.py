@@ -204,12 +204,13 @@ def _verify_tree_impl(rule: str, index: TreeIndex, P: torch.Tensor, Q: torch.Ten
     rejected_at = torch.full((batch,), -1, dtype=torch.int64, device=device)  # internal index where all failed
     depth = index.tree.depth
     path = torch.zeros(batch, depth, dtype=torch.int64, device=device)
+    u_accept = u_accept.to(_F64)  # once, not per depth
     for t in range(depth):
         internal = index.internal_of[node]
         at_internal = walking & (internal >= 0)
         i = internal.clamp(min=0)
         kids = index.child_nodes[i]  # [B, C]
-        passed = torch.gather(u_accept.to(_F64), 1, kids) < pass_probs[rows, i]
+        passed = torch.gather(u_accept, 1, kids) < pass_probs[rows, i]
         first = passed.to(torch.int64).argmax(1)
         descend = at_internal & passed.any(1)
         rejected_at = torch.where(at_internal & ~descend, i, rejected_at)
