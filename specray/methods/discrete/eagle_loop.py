@@ -320,11 +320,13 @@ class _TreePlan:
         for kids, exists in slots:
             positive = left.sum(-1) > 0
             drawn = exists & positive & parent_valid
-            token = rng.sample_categorical(torch.where(positive[..., None], left, 1.0), u[:, kids])
-            node_tokens[:, kids] = torch.where(drawn, token, 0)
+            token = rng.sample_categorical_keepdim(torch.where(positive[..., None], left, 1.0), u[:, kids, None])
+            node_tokens[:, kids] = torch.where(drawn, token[..., 0], 0)
             node_valid[:, kids] = drawn
-            left = left.masked_fill(torch.zeros_like(left, dtype=torch.bool).scatter_(-1, token[..., None],
-                                                                                   drawn[..., None]), 0.0)
+            # The drawn token leaves the parent's law. Zeroing it where nothing was drawn changes no
+            # output: no later child of that parent is drawn either (absent children stay absent, an
+            # invalid parent stays invalid, an empty law stays empty), so one scatter, no mask.
+            left = left.scatter(-1, token, 0.0)
 
 
 def _tree(params: Speculative, pair: ModelPair, labels: torch.Tensor, sample_ids: torch.Tensor,

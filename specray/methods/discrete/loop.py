@@ -44,6 +44,7 @@ once; the host syncs are two per round (draft lengths, and the active rows only 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -235,12 +236,22 @@ class _Round:
     fed_positions: torch.Tensor  # positions - 1: image-token index of the token fed at each of them
 
 
+@functools.lru_cache(maxsize=16)
+def _filled(value: int, n: int, device: torch.device) -> torch.Tensor:
+    """``full((n,), value)`` int64, built once; read-only."""
+    return torch.full((n,), value, dtype=torch.int64, device=device)
+
+
 def _next_round(committed: torch.Tensor, num_tokens: int, gamma: int, labels: torch.Tensor, tokens: torch.Tensor,
                 all_rows: torch.Tensor, steps: torch.Tensor) -> _Round | None:
-    n_drafts = (num_tokens - 1 - committed).clamp(max=gamma)  # negative once a row is done
-    lengths = [g for g in n_drafts.tolist() if g >= 0]
+    room = [num_tokens - 1 - c for c in committed.tolist()]  # the round's one host sync
+    lengths = [min(g, gamma) for g in room if g >= 0]
     if not lengths:
         return None
+    # g_b = min(gamma, N - 1 - n_b), negative once a row is done; while every row drafts gamma, a
+    # cached constant (read-only) instead of two ops.
+    n_drafts = (_filled(gamma, len(room), committed.device) if min(room) >= gamma else
+                (num_tokens - 1 - committed).clamp(max=gamma))
     if len(lengths) == committed.shape[0]:
         positions = committed[:, None] + steps
         return _Round(all_rows, True, committed, n_drafts, lengths, labels, tokens, positions, positions - 1)
@@ -342,7 +353,10 @@ def _commit(rnd: _Round, n_acc: torch.Tensor, next_token: torch.Tensor, tokens: 
             committed: torch.Tensor, target_stream: GuidedModel, draft_stream: GuidedModel) -> None:
     """4. COMMIT: the accepted drafts are in place; the correction / bonus token follows them."""
     last = rnd.n + n_acc
-    rnd.tokens.scatter_(1, last[:, None], next_token[:, None])
+    if rnd.full:  # rnd.idx is arange(batch): one index_put, no reshaping
+        rnd.tokens[rnd.idx, last] = next_token
+    else:
+        rnd.tokens.scatter_(1, last[:, None], next_token[:, None])
     if not rnd.full:
         tokens[rnd.idx] = rnd.tokens
     new_n = last + 1
