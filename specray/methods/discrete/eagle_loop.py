@@ -33,6 +33,8 @@ therefore has exactly the chain's keys, and gives the chain's tokens.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from specray import rng
@@ -140,14 +142,28 @@ class HeadStream(_Streams):
 
 def _causal(positions: torch.Tensor, max_len: int, first: int = 0) -> torch.Tensor:
     """``visible [r, n, S]``: slot s is seen from position p iff ``first <= s <= p``."""
-    slots = torch.arange(max_len, device=positions.device)
-    return (slots >= first) & (slots <= positions[:, :, None])
+    slots, from_first = _slot_ranges(max_len, first, positions.device)
+    return from_first & (slots <= positions[:, :, None])
+
+
+@functools.lru_cache(maxsize=32)
+def _window_offsets(window: int, device: torch.device) -> torch.Tensor:
+    """``arange(window) - window + 1`` (``[1 - window .. 0]``), built once; read-only."""
+    return torch.arange(window, device=device) - window + 1
+
+
+@functools.lru_cache(maxsize=32)
+def _slot_ranges(max_len: int, first: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``arange(max_len)`` and ``arange(max_len) >= first``, built once (two ops fewer per call); read-only."""
+    slots = torch.arange(max_len, device=device)
+    return slots, slots >= first
 
 
 def _catch_up(head: HeadStream, target: TargetStream, idx: torch.Tensor, n: torch.Tensor, tokens: torch.Tensor,
               window: int) -> tuple[torch.Tensor, torch.Tensor]:
     """1. CATCH UP to position ``n``: the first draft's law ``[r, V]`` and the head's prediction there ``[rows, D]``."""
-    positions = (n[:, None] - window + 1 + torch.arange(window, device=n.device)).clamp(min=1)
+    # n - window + 1 + arange(window): integer sums, so one add of a cached offset row gives the same positions
+    positions = (n[:, None] + _window_offsets(window, n.device)).clamp(min=1)
     fed = tokens.gather(1, positions - 1)  # image token s - 1 is fed at position s
     features = target.read_features(idx, positions - 1)
     q, predicted = head.probs(idx, features, fed, positions, positions,
@@ -220,12 +236,14 @@ def _prefill(target: TargetStream, labels: torch.Tensor, sample_ids: torch.Tenso
 def _commit_tokens(idx: torch.Tensor, full: bool, n: torch.Tensor, n_acc: torch.Tensor, next_token: torch.Tensor,
                    row_tokens: torch.Tensor, tokens: torch.Tensor, committed: torch.Tensor) -> None:
     """The accepted drafts are in ``row_tokens`` already; the correction / bonus follows them."""
-    row_tokens.scatter_(1, (n + n_acc)[:, None], next_token[:, None])
-    if full:
-        committed.copy_(n + n_acc + 1)
+    last = n + n_acc
+    if full:  # idx is arange(batch): one index_put, no reshaping
+        row_tokens[idx, last] = next_token
+        committed.copy_(last + 1)
     else:
+        row_tokens.scatter_(1, last[:, None], next_token[:, None])
         tokens[idx] = row_tokens
-        committed[idx] = n + n_acc + 1
+        committed[idx] = last + 1
 
 
 # ---- tree -------------------------------------------------------------------------------------------
