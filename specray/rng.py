@@ -200,9 +200,18 @@ def sample_categorical(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 
     Zero-probability entries are never returned. Rows must have positive mass.
     """
-    cdf = torch.cumsum(probs.to(torch.float64), dim=-1)
-    target = (u.to(torch.float64) * cdf[..., -1]).unsqueeze(-1)
-    idx = torch.searchsorted(cdf.contiguous(), target.contiguous(), right=True).squeeze(-1)
+    return sample_categorical_keepdim(probs, u.unsqueeze(-1)).squeeze(-1)
+
+
+def sample_categorical_keepdim(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """:func:`sample_categorical` with uniforms ``u[..., 1]`` and draws ``[..., 1]`` (the same values;
+    a loop that feeds each draw back as a column saves the reshaping ops)."""
+    # cumsum(dtype=float64) converts first, as probs.to(float64).cumsum would; one op fewer. The
+    # cdf and target are fresh, hence contiguous, as searchsorted needs.
+    cdf = torch.cumsum(probs, dim=-1, dtype=torch.float64)
+    if u.dtype != torch.float64:
+        u = u.to(torch.float64)
+    idx = torch.searchsorted(cdf, u * cdf[..., -1:], right=True)
     return idx.clamp_(max=probs.shape[-1] - 1)
 
 

@@ -106,8 +106,8 @@ class RoundTally:
     the prefix up to its last passing slot, CSpD's windows any subset: all are masks here.
 
     Counters are moved to the host once, in :meth:`to_stats`. Rounds in which every row of the
-    batch takes part (the common case) are kept as one small stacked tensor each and summed at
-    the end, so a round costs two index_adds (the timeline) and one stack.
+    batch takes part (the common case) are kept as one small stacked tensor each (and their
+    positions) and folded in at the end, counters and timeline alike, so such a round costs one stack.
     """
 
     def __init__(self, batch: int, gamma: int, num_positions: int, device: torch.device | str = "cpu") -> None:
@@ -121,7 +121,9 @@ class RoundTally:
         self.timeline_drafted, self.timeline_accepted = zeros(batch, self._width), zeros(batch, self._width)
         self._slots = torch.arange(max(gamma, 1) + 1, device=device)
         self._all_rows = torch.arange(batch, device=device)
-        self._full_rounds: list[torch.Tensor] = []  # [2, batch] (drafted, accepted) counts per full round
+        # Full rounds kept aside until flush: (positions [batch, G], [2, batch] drafted and accepted
+        # counts). The positions are kept by reference: callers pass a fresh tensor each round.
+        self._full_rounds: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def slots(self, n: int) -> torch.Tensor:
         """``arange(n)`` on the tally's device (n <= gamma + 1), for building masks from counts."""
@@ -154,17 +156,17 @@ class RoundTally:
     def observe_prefix(self, rows: torch.Tensor | None, positions: torch.Tensor, n_drafted: torch.Tensor,
                        n_accepted: torch.Tensor) -> None:
         """:meth:`observe` for rounds that draft and accept a prefix: counts ``[r]`` instead of masks."""
-        slot = self.slots(positions.shape[1])[None, :]
-        if rows is None:  # the common full round: summed once in to_stats
-            self._full_rounds.append(torch.stack([n_drafted, n_accepted]))
-            self._add_timeline(None, positions, slot < n_drafted[:, None], slot < n_accepted[:, None])
+        if rows is None:  # the common full round: one op now, counters and timeline built in flush
+            self._full_rounds.append((positions, torch.stack([n_drafted, n_accepted])))
             return
+        slot = self.slots(positions.shape[1])[None, :]
         self.observe(rows, positions, slot < n_drafted[:, None], slot < n_accepted[:, None])
 
     def _add_timeline(self, rows: torch.Tensor | None, positions: torch.Tensor, drafted: torch.Tensor,
                       accepted: torch.Tensor) -> None:
         if rows is None:
             rows = self._all_rows
+        # positions [r, G], or [rounds, r, G] for full rounds folded together in flush
         flat = (rows[:, None] * self._width + positions).flatten()
         self.timeline_drafted.view(-1).index_add_(0, flat, drafted.flatten().to(torch.int64))
         self.timeline_accepted.view(-1).index_add_(0, flat, accepted.flatten().to(torch.int64))
@@ -183,13 +185,21 @@ class RoundTally:
         """Fold the full rounds kept aside into the counters (to_stats does it too)."""
         if not self._full_rounds:
             return
-        per_round = torch.stack(self._full_rounds)  # [rounds, (drafted, accepted), batch]
-        self._full_rounds = []
+        per_round = torch.stack([counts for _, counts in self._full_rounds])  # [rounds, (drafted, accepted), batch]
         self.rounds += per_round.shape[0]
         self.drafted += per_round[:, 0].sum(0)
         self.accepted += per_round[:, 1].sum(0)
         slot = self.slots(self.gamma)[None, :, None]
         self.per_position += (slot < per_round[:, 1, None, :]).sum(0).T
+        # The timeline, one index_add per round width (integer sums: the order does not matter).
+        widths = sorted({positions.shape[1] for positions, _ in self._full_rounds})
+        for width in widths:
+            rounds = [i for i, (positions, _) in enumerate(self._full_rounds) if positions.shape[1] == width]
+            positions = torch.stack([self._full_rounds[i][0] for i in rounds])  # [r, batch, width]
+            counts = per_round[rounds] if len(rounds) < per_round.shape[0] else per_round
+            slot = self.slots(width)
+            self._add_timeline(None, positions, slot < counts[:, 0, :, None], slot < counts[:, 1, :, None])
+        self._full_rounds = []
 
     def to_stats(self, num_tokens: int, extra: list[dict[str, Any]] | None = None,
                  timeline: bool = True) -> list[SampleStats]:

@@ -33,6 +33,8 @@ therefore has exactly the chain's keys, and gives the chain's tokens.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from specray import rng
@@ -140,14 +142,28 @@ class HeadStream(_Streams):
 
 def _causal(positions: torch.Tensor, max_len: int, first: int = 0) -> torch.Tensor:
     """``visible [r, n, S]``: slot s is seen from position p iff ``first <= s <= p``."""
-    slots = torch.arange(max_len, device=positions.device)
-    return (slots >= first) & (slots <= positions[:, :, None])
+    slots, from_first = _slot_ranges(max_len, first, positions.device)
+    return from_first & (slots <= positions[:, :, None])
+
+
+@functools.lru_cache(maxsize=32)
+def _window_offsets(window: int, device: torch.device) -> torch.Tensor:
+    """``arange(window) - window + 1`` (``[1 - window .. 0]``), built once; read-only."""
+    return torch.arange(window, device=device) - window + 1
+
+
+@functools.lru_cache(maxsize=32)
+def _slot_ranges(max_len: int, first: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``arange(max_len)`` and ``arange(max_len) >= first``, built once (two ops fewer per call); read-only."""
+    slots = torch.arange(max_len, device=device)
+    return slots, slots >= first
 
 
 def _catch_up(head: HeadStream, target: TargetStream, idx: torch.Tensor, n: torch.Tensor, tokens: torch.Tensor,
               window: int) -> tuple[torch.Tensor, torch.Tensor]:
     """1. CATCH UP to position ``n``: the first draft's law ``[r, V]`` and the head's prediction there ``[rows, D]``."""
-    positions = (n[:, None] - window + 1 + torch.arange(window, device=n.device)).clamp(min=1)
+    # n - window + 1 + arange(window): integer sums, so one add of a cached offset row gives the same positions
+    positions = (n[:, None] + _window_offsets(window, n.device)).clamp(min=1)
     fed = tokens.gather(1, positions - 1)  # image token s - 1 is fed at position s
     features = target.read_features(idx, positions - 1)
     q, predicted = head.probs(idx, features, fed, positions, positions,
@@ -175,24 +191,24 @@ def _chain(method: Method, params: Speculative, pair: ModelPair, labels: torch.T
     uniforms = RoundUniforms(seed, sample_ids, num_tokens + gamma + 1)
     all_rows = torch.arange(batch, device=device)
     steps = torch.arange(gamma + 1, device=device)
-    vocab = target_model.config.vocab_size
     for it in range(num_tokens):
         rnd = _next_round(committed, num_tokens, gamma, labels, tokens, all_rows, steps)
         if rnd is None:
             break
         u = uniforms.round(it, rnd.idx, rnd.positions[:, :gamma])
-        r = rnd.idx.shape[0]
-        drafts = torch.zeros(r, gamma, dtype=torch.int64, device=device)
-        Q = torch.zeros(r, gamma, vocab, dtype=torch.float32, device=device)
         q, predicted = _catch_up(head, target, rnd.idx, rnd.n, rnd.tokens, gamma + 1)
-        for i in range(gamma):
+        # Per-step columns split off once, the laws and drafts stacked once (fewer ops than indexing).
+        later_positions = rnd.positions[:, 1:gamma].split(1, dim=1)
+        qs, ds = [], []
+        for i, u_draft in enumerate(u[:, :, 0].split(1, dim=1)):
             if i:
-                positions = rnd.positions[:, i : i + 1]
-                q, out = head.probs(rnd.idx, predicted[:, None], drafts[:, i - 1 : i], positions, positions,
+                positions = later_positions[i - 1]
+                q, out = head.probs(rnd.idx, predicted[:, None], ds[-1], positions, positions,
                                     _causal(positions, max_len, first=1))
                 q, predicted = q[:, 0], out[:, 0]
-            Q[:, i] = q
-            drafts[:, i] = rng.sample_categorical(q, u[:, i, 0])
+            qs.append(q)
+            ds.append(rng.sample_categorical_keepdim(q, u_draft))  # [r, 1]: the next step's fed column
+        drafts, Q = torch.cat(ds, dim=1), torch.stack(qs, dim=1)
         rnd.tokens.scatter_(1, rnd.positions[:, :gamma], drafts)
         P, hidden = target.probs(rnd.idx, rnd.tokens.gather(1, rnd.fed_positions), rnd.positions, rnd.positions,
                                  _causal(rnd.positions, max_len))
@@ -220,12 +236,14 @@ def _prefill(target: TargetStream, labels: torch.Tensor, sample_ids: torch.Tenso
 def _commit_tokens(idx: torch.Tensor, full: bool, n: torch.Tensor, n_acc: torch.Tensor, next_token: torch.Tensor,
                    row_tokens: torch.Tensor, tokens: torch.Tensor, committed: torch.Tensor) -> None:
     """The accepted drafts are in ``row_tokens`` already; the correction / bonus follows them."""
-    row_tokens.scatter_(1, (n + n_acc)[:, None], next_token[:, None])
-    if full:
-        committed.copy_(n + n_acc + 1)
+    last = n + n_acc
+    if full:  # idx is arange(batch): one index_put, no reshaping
+        row_tokens[idx, last] = next_token
+        committed.copy_(last + 1)
     else:
+        row_tokens.scatter_(1, last[:, None], next_token[:, None])
         tokens[idx] = row_tokens
-        committed[idx] = n + n_acc + 1
+        committed[idx] = last + 1
 
 
 # ---- tree -------------------------------------------------------------------------------------------
@@ -268,6 +286,10 @@ class _TreePlan:
         self.positions = torch.arange(num_positions, device=device)
         self.chunk = max(4, min(32, 256 // max(1, sample_ids.shape[0])))
         self.chunks: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        # visible()'s round-independent parts, built once (a few ops fewer per head and verify call)
+        self.tree_slot_ids = torch.arange(self.spare, device=device)
+        self._slot_masks: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._on_path: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(nodes) -> (nodes, rows of visible)
 
     def uniforms(self, step: int, idx: torch.Tensor, n: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Uniforms ``[r, N+1]`` of streams draft and accept per node, and the residual ``[r]``, of rows ``idx``."""
@@ -289,30 +311,40 @@ class _TreePlan:
     def visible(self, n: torch.Tensor, nodes: torch.Tensor, max_len: int, first: int) -> torch.Tensor:
         """``visible [r, len(nodes), S]``: committed slots ``first .. n - 1`` and the nodes' own root path."""
         r = n.shape[0]
-        slots = torch.arange(max_len, device=n.device)
-        committed = ((slots >= first) & (slots < n[:, None]))[:, None, :].expand(r, nodes.shape[0], max_len)
-        tree_slots = (n[:, None] + torch.arange(self.spare, device=n.device))[:, None, :]
-        on_path = self.index.visible[nodes][None].expand(r, -1, -1)
+        if (max_len, first) not in self._slot_masks:
+            slots = torch.arange(max_len, device=n.device)
+            self._slot_masks[max_len, first] = slots, slots >= first
+        slots, from_first = self._slot_masks[max_len, first]
+        entry = self._on_path.get(id(nodes))
+        if entry is None or entry[0] is not nodes:  # keeps `nodes` alive, so its id is not reused
+            entry = self._on_path[id(nodes)] = nodes, self.index.visible[nodes]
+        n_col = n[:, None]
+        committed = (from_first & (slots < n_col))[:, None, :].expand(r, nodes.shape[0], max_len)
+        tree_slots = (n_col + self.tree_slot_ids)[:, None, :]
+        on_path = entry[1][None].expand(r, -1, -1)
         return committed.clone().scatter_(2, tree_slots.expand(-1, nodes.shape[0], -1), on_path)
 
-    def draw_children(self, depth: int, q: torch.Tensor, u_draft: torch.Tensor, node_tokens: torch.Tensor,
+    def draw_children(self, depth: int, q: torch.Tensor, u: torch.Tensor, node_tokens: torch.Tensor,
                       node_valid: torch.Tensor) -> None:
         """Children of depth ``depth``'s internal nodes, without replacement from their laws ``q [r, L, V]``.
 
-        ``node_tokens`` / ``node_valid`` ``[r, N+2]``: a spare last column takes the absent children's writes.
+        ``node_tokens`` / ``node_valid`` ``[r, N+2]``: a spare last column takes the absent children's writes;
+        ``u [r, N+2]``: the round's draft uniforms per node, and a spare column for absent children (a copy
+        of column 0, made once per round).
         """
         nodes, _, _, slots = self.levels[depth]
         left = q.to(torch.float64)
         parent_valid = node_valid[:, nodes]
-        u = torch.cat([u_draft, u_draft[:, :1]], 1)  # a spare column for absent children
         for kids, exists in slots:
-            mass = left.sum(-1)
-            drawn = exists & (mass > 0) & parent_valid
-            token = rng.sample_categorical(torch.where(mass[..., None] > 0, left, 1.0), u[:, kids])
-            node_tokens[:, kids] = torch.where(drawn, token, 0)
+            positive = left.sum(-1) > 0
+            drawn = exists & positive & parent_valid
+            token = rng.sample_categorical_keepdim(torch.where(positive[..., None], left, 1.0), u[:, kids, None])
+            node_tokens[:, kids] = torch.where(drawn, token[..., 0], 0)
             node_valid[:, kids] = drawn
-            left = left.masked_fill(torch.zeros_like(left, dtype=torch.bool).scatter_(-1, token[..., None],
-                                                                                   drawn[..., None]), 0.0)
+            # The drawn token leaves the parent's law. Zeroing it where nothing was drawn changes no
+            # output: no later child of that parent is drawn either (absent children stay absent, an
+            # invalid parent stays invalid, an empty law stays empty), so one scatter, no mask.
+            left = left.scatter(-1, token, 0.0)
 
 
 def _tree(params: Speculative, pair: ModelPair, labels: torch.Tensor, sample_ids: torch.Tensor,
@@ -353,6 +385,7 @@ def _tree(params: Speculative, pair: ModelPair, labels: torch.Tensor, sample_ids
         predicted = torch.zeros(2 * r if head.guided else r, nodes, target_model.config.dim, device=device)
         q, predicted[:, 0] = _catch_up(head, target, idx, n, row_tokens, depth + 1)
         Q[:, 0] = q
+        u_draft = torch.cat([u_draft, u_draft[:, :1]], 1)  # draw_children's spare column
         plan.draw_children(0, q[:, None], u_draft, node_tokens, node_valid)
         for t in range(1, depth):
             level, internal, parents, _ = plan.levels[t]

@@ -44,6 +44,7 @@ once; the host syncs are two per round (draft lengths, and the active rows only 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -232,34 +233,44 @@ class _Round:
     labels: torch.Tensor
     tokens: torch.Tensor  # the rows' token buffer (a copy unless full)
     positions: torch.Tensor  # [r, gamma + 1]: image-token index of each draft = sequence position fed in verify
+    fed_positions: torch.Tensor  # positions - 1: image-token index of the token fed at each of them
 
-    @property
-    def fed_positions(self) -> torch.Tensor:
-        """Image-token index of the token fed at each of ``positions``."""
-        return self.positions - 1
+
+@functools.lru_cache(maxsize=16)
+def _filled(value: int, n: int, device: torch.device) -> torch.Tensor:
+    """``full((n,), value)`` int64, built once; read-only."""
+    return torch.full((n,), value, dtype=torch.int64, device=device)
 
 
 def _next_round(committed: torch.Tensor, num_tokens: int, gamma: int, labels: torch.Tensor, tokens: torch.Tensor,
                 all_rows: torch.Tensor, steps: torch.Tensor) -> _Round | None:
-    n_drafts = (num_tokens - 1 - committed).clamp(max=gamma)  # negative once a row is done
-    lengths = [g for g in n_drafts.tolist() if g >= 0]
+    room = [num_tokens - 1 - c for c in committed.tolist()]  # the round's one host sync
+    lengths = [min(g, gamma) for g in room if g >= 0]
     if not lengths:
         return None
+    # g_b = min(gamma, N - 1 - n_b), negative once a row is done; while every row drafts gamma, a
+    # cached constant (read-only) instead of two ops.
+    n_drafts = (_filled(gamma, len(room), committed.device) if min(room) >= gamma else
+                (num_tokens - 1 - committed).clamp(max=gamma))
     if len(lengths) == committed.shape[0]:
-        return _Round(all_rows, True, committed, n_drafts, lengths, labels, tokens, committed[:, None] + steps)
+        positions = committed[:, None] + steps
+        return _Round(all_rows, True, committed, n_drafts, lengths, labels, tokens, positions, positions - 1)
     idx = torch.nonzero(n_drafts >= 0).squeeze(1)
     n = committed[idx]
-    return _Round(idx, False, n, n_drafts[idx], lengths, labels[idx], tokens[idx], n[:, None] + steps)
+    positions = n[:, None] + steps
+    return _Round(idx, False, n, n_drafts[idx], lengths, labels[idx], tokens[idx], positions, positions - 1)
 
 
 def _draft(stream: GuidedModel, rnd: _Round, u_draft: torch.Tensor, first_round: bool, gamma: int,
            vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
     """1. DRAFT: ``g_b`` tokens per row (rows with ``g_b <= i`` sit out step i); drafts and their laws Q."""
+    g_min = min(rnd.lengths)
+    if g_min == gamma:
+        return _draft_every_row(stream, rnd, u_draft, first_round, gamma)
     r = rnd.idx.shape[0]
     device = rnd.idx.device
     drafts = torch.zeros(r, gamma, dtype=torch.int64, device=device)
     Q = torch.zeros(r, gamma, vocab, dtype=torch.float32, device=device)
-    g_min = min(rnd.lengths)
     for i in range(max(rnd.lengths)):
         every = i < g_min  # while every row drafts, no live-row indexing
         live = None if every else torch.nonzero(rnd.n_drafts > i).squeeze(1)
@@ -282,6 +293,26 @@ def _draft(stream: GuidedModel, rnd: _Round, u_draft: torch.Tensor, first_round:
             Q[live, i] = q
             drafts[live, i] = rng.sample_categorical(q, u_draft[live, i])
     return drafts, Q
+
+
+def _draft_every_row(stream: GuidedModel, rnd: _Round, u_draft: torch.Tensor, first_round: bool,
+                     gamma: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`_draft` for the common round, every row drafting ``gamma`` tokens: the same calls and
+    draws, with the per-step columns split off once and the results stacked once (fewer ops)."""
+    positions = rnd.fed_positions[:, :2]  # step 0 catches up sequence positions [n - 1, n] (see _draft)
+    if first_round:
+        fed = sequence_tokens(rnd.labels, rnd.tokens, positions)
+    else:
+        fed = rnd.tokens.gather(1, positions - 1)
+    later_positions = rnd.positions[:, 1:gamma].split(1, dim=1)
+    qs, ds = [], []
+    for i, u in enumerate(u_draft.split(1, dim=1)):
+        if i > 0:
+            positions, fed = later_positions[i - 1], ds[-1]
+        q = stream.probs(rnd.idx, fed, positions, all_rows=rnd.full, prefix=first_round and i == 0)[:, -1]
+        qs.append(q)
+        ds.append(rng.sample_categorical_keepdim(q, u))  # [r, 1]: the next step's fed column
+    return torch.cat(ds, dim=1), torch.stack(qs, dim=1)
 
 
 def _target_probs(stream: GuidedModel, rnd: _Round, drafts: torch.Tensor, gamma: int) -> torch.Tensor:
@@ -322,7 +353,10 @@ def _commit(rnd: _Round, n_acc: torch.Tensor, next_token: torch.Tensor, tokens: 
             committed: torch.Tensor, target_stream: GuidedModel, draft_stream: GuidedModel) -> None:
     """4. COMMIT: the accepted drafts are in place; the correction / bonus token follows them."""
     last = rnd.n + n_acc
-    rnd.tokens.scatter_(1, last[:, None], next_token[:, None])
+    if rnd.full:  # rnd.idx is arange(batch): one index_put, no reshaping
+        rnd.tokens[rnd.idx, last] = next_token
+    else:
+        rnd.tokens.scatter_(1, last[:, None], next_token[:, None])
     if not rnd.full:
         tokens[rnd.idx] = rnd.tokens
     new_n = last + 1

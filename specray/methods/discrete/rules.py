@@ -197,13 +197,16 @@ def _omegas_on(rule: str, gamma: int, params: RuleParams, device: torch.device) 
 def _ratio_prob(numerator: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     """min(1, numerator / q), with q = 0 meaning 'accept iff numerator > 0'."""
     # numerator / 0 is inf or nan there, but torch.where discards it: same values as dividing
-    # by a substituted 1, two kernels fewer (this runs once per round and per block weight).
-    return torch.where(q > 0, numerator / q, (numerator > 0).to(_F64)).clamp_(max=1.0)
+    # by a substituted 1, two kernels fewer (this runs once per round and per block weight). The
+    # bool branch is promoted to 1.0 / 0.0 by where itself.
+    return torch.where(q > 0, numerator / q, numerator > 0).clamp_(max=1.0)
 
 
 def _at_draft(dist: torch.Tensor, drafts: torch.Tensor) -> torch.Tensor:
     """``dist[b, i, drafts[b, i]]`` for ``dist [B, >= γ, V]`` and ``drafts [B, γ]``."""
-    return torch.gather(dist[:, : drafts.shape[1]], -1, drafts.unsqueeze(-1)).squeeze(-1)
+    # One indexing op with cached row and column indices (a gather needs four: slice, unsqueeze, squeeze).
+    batch, gamma = drafts.shape
+    return dist[_rows_column(batch, dist.device), _columns_row(gamma, dist.device), drafts]
 
 
 def relaxed_draft_mass(rule: str, P: torch.Tensor, drafts: torch.Tensor, params: RuleParams) -> torch.Tensor:
@@ -236,7 +239,7 @@ def block_weights(P: torch.Tensor, Q: torch.Tensor, drafts: torch.Tensor) -> tor
         # is the rounding of the scalar recursion. A zero weight stays zero: 0·P = 0 for the finite,
         # normalised P this takes, so no separate mask is needed.
         numerator = weights[-1] * p_i
-        weights.append(torch.where(q_positive, numerator / q_i, (numerator > 0).to(_F64)).clamp_(max=1.0))
+        weights.append(torch.where(q_positive, numerator / q_i, numerator > 0).clamp_(max=1.0))
     return torch.stack(weights, dim=1)
 
 
@@ -278,15 +281,12 @@ def decide_accepted(rule: str, passed: torch.Tensor) -> torch.Tensor:
     if rule == "block":
         positions = _arange(passed.shape[1] + 1, passed.device)[1:]
         return (passed.to(torch.int64) * positions).max(dim=1).values  # last passing index, NOT a prefix
-    return torch.cumprod(passed.to(torch.int64), dim=1).sum(dim=1)
+    return torch.cumprod(passed, dim=1, dtype=torch.int64).sum(dim=1)
 
 
 def _row_at(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """``x[b, index[b]]`` for ``x[B, L, ...]`` (one gather, no index tensor built per call)."""
-    if x.dim() == 2:
-        return torch.gather(x, 1, index.unsqueeze(1)).squeeze(1)
-    expanded = index.view(-1, 1, *([1] * (x.dim() - 2))).expand(x.shape[0], 1, *x.shape[2:])
-    return torch.gather(x, 1, expanded).squeeze(1)
+    """``x[b, index[b]]`` for ``x[B, L, ...]`` (one indexing op, the row indices cached)."""
+    return x[_arange(x.shape[0], x.device), index]
 
 
 def correction_dist(rule: str, P: torch.Tensor, Q: torch.Tensor, drafts: torch.Tensor,
@@ -311,19 +311,24 @@ def correction_dist(rule: str, P: torch.Tensor, Q: torch.Tensor, drafts: torch.T
     else:
         omega = None
         if rule in ("cool_sd", "uniform_rsd"):
-            omega = _row_at(_omegas_on(rule, gamma, params, P.device).expand(j.shape[0], gamma), j).unsqueeze(-1)
-        residual, guard = rejection_residual(rule, p_j, q_j, _row_at(drafts, j), params, omega)
-    fallback = (residual.sum(-1) <= 0) & ~is_bonus
+            omega = _omegas_on(rule, gamma, params, P.device)[j].unsqueeze(-1)
+        # Only LANTERN's official residual reads the rejected draft.
+        draft_j = _row_at(drafts, j) if rule == "lantern" and params.residual == "official" else None
+        residual, guard = rejection_residual(rule, p_j, q_j, draft_j, params, omega)
+    empty = residual.sum(-1) <= 0
+    fallback = empty & ~is_bonus
+    if guard is p_j:  # bonus and fallback rows both take p_j: one where
+        return torch.where((empty | is_bonus).unsqueeze(-1), p_j, residual), fallback
     residual = torch.where(fallback.unsqueeze(-1), guard, residual)
     return torch.where(is_bonus.unsqueeze(-1), p_j, residual), fallback
 
 
-def rejection_residual(rule: str, p: torch.Tensor, q: torch.Tensor, draft: torch.Tensor, params: RuleParams,
+def rejection_residual(rule: str, p: torch.Tensor, q: torch.Tensor, draft: torch.Tensor | None, params: RuleParams,
                        omega: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """What a chain rule (not block) resamples from after rejecting ``draft``: ``[p − q·f]_+``, unnormalised.
 
     ``p``, ``q`` ``[..., V]`` the target and draft laws at the rejected position (normalised float64),
-    ``draft [...]`` the rejected token, ``omega [..., 1]`` the COOL-SD multiplier there. Returns
+    ``draft [...]`` the rejected token (read by LANTERN's official residual only), ``omega [..., 1]`` the COOL-SD multiplier there. Returns
     ``(residual, guard)``: the guard is what to sample from where the residual has no mass.
     Shared by the chain rules and the tree's per-child recursion (``tree_rules``).
     """
@@ -375,15 +380,30 @@ def _arange(n: int, device: torch.device) -> torch.Tensor:
     """``arange(n)`` built once per (n, device); read-only."""
     return torch.arange(n, device=device)
 
+
+@functools.lru_cache(maxsize=64)
+def _rows_column(n: int, device: torch.device) -> torch.Tensor:
+    """``arange(n)[:, None]``, built once; read-only."""
+    return _arange(n, device)[:, None]
+
+
+@functools.lru_cache(maxsize=64)
+def _columns_row(n: int, device: torch.device) -> torch.Tensor:
+    """``arange(n)[None, :]``, built once; read-only."""
+    return _arange(n, device)[None, :]
+
 CorrectionFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
 
 def _verify_impl(rule: str, P: torch.Tensor, Q: torch.Tensor, drafts: torch.Tensor,
                  u_accept: torch.Tensor, u_residual: torch.Tensor, params: RuleParams,
-                 correction_fn: CorrectionFn = correction_dist) -> tuple[VerifyOutput, VerifyDetails]:
-    """The round; ``correction_fn`` exists only so tests can inject a wrong residual (negative control)."""
-    validate_params(rule, params)
-    _validate_shapes(P, Q, drafts, u_accept, u_residual)
+                 correction_fn: CorrectionFn = correction_dist,
+                 validate: bool = True) -> tuple[VerifyOutput, VerifyDetails]:
+    """The round; ``correction_fn`` exists only so tests can inject a wrong residual (negative control).
+    ``validate=False``: the caller vouches for the parameters (validated once) and the shapes."""
+    if validate:
+        validate_params(rule, params)
+        _validate_shapes(P, Q, drafts, u_accept, u_residual)
     device = P.device
     P64, Q64 = normalise(P), normalise(_as(Q, Q.dtype, device))
     drafts = _as(drafts, torch.int64, device)
@@ -397,7 +417,7 @@ def _verify_impl(rule: str, P: torch.Tensor, Q: torch.Tensor, drafts: torch.Tens
     dist = dist / dist.sum(-1, keepdim=True)
     next_token = sample_categorical(dist, _as(u_residual, _F64, device))
     gamma = drafts.shape[1]
-    accepted_mask = _arange(gamma, device).unsqueeze(0) < n_accepted.unsqueeze(1)
+    accepted_mask = _columns_row(gamma, device) < n_accepted.unsqueeze(1)
     output = VerifyOutput(n_accepted=n_accepted, next_token=next_token, accepted_mask=accepted_mask)
     return output, VerifyDetails(pass_probs=pass_probs, next_token_probs=dist, residual_fallback=fallback)
 
@@ -480,6 +500,7 @@ def verifier_for(params: method_params.Speculative, pair) -> Verifier:
     rule_params = rule_params_for_pair(params, pair)
 
     def verify_round(P, Q, drafts, u_accept, u_residual) -> VerifyOutput:
-        return verify(params.rule, P, Q, drafts, u_accept, u_residual, rule_params)
+        # rule_params were validated above; the loops build the shapes verify expects.
+        return _verify_impl(params.rule, P, Q, drafts, u_accept, u_residual, rule_params, validate=False)[0]
 
     return verify_round

@@ -38,6 +38,7 @@ import torch
 from specray.methods.discrete.lantern import relaxed_target_mass
 from specray.methods.discrete.rules import (
     RuleParams,
+    _at_draft,
     _ratio_prob,
     normalise,
     rejection_residual,
@@ -143,9 +144,10 @@ def node_tables(rule: str, index: TreeIndex, P_int: torch.Tensor, Q_int: torch.T
     for j in range(child_tokens.shape[-1]):
         token = child_tokens[..., j]
         q_mass = q_left.sum(-1)
-        present = child_valid[..., j] & index.child_exists[None, :, j] & (q_mass > 0)
-        q_j = q_left / torch.where(q_mass > 0, q_mass, 1.0).unsqueeze(-1)
-        q_token = torch.gather(q_j, -1, token.unsqueeze(-1)).squeeze(-1)
+        q_positive = q_mass > 0
+        present = child_valid[..., j] & index.child_exists[None, :, j] & q_positive
+        q_j = q_left / torch.where(q_positive, q_mass, 1.0).unsqueeze(-1)
+        q_token = _at_draft(q_j, token)  # one indexing op
         pass_probs[..., j] = torch.where(present, _ratio_prob(_relaxed_mass(rule, p, token, params, omega), q_token), 0.0)
         residual, guard = residual_fn(rule, p, q_j, token, params, omega)
         mass = residual.sum(-1, keepdim=True)
@@ -164,7 +166,7 @@ def _relaxed_mass(rule: str, p: torch.Tensor, token: torch.Tensor, params: RuleP
     if rule == "lantern":
         return relaxed_target_mass(p, token, params.neighbours, params.k, params.mode, params.lam, params.delta,
                                    params.forbid_zero_target_mass)[0]
-    p_token = torch.gather(p, -1, token.unsqueeze(-1)).squeeze(-1)
+    p_token = _at_draft(p, token)  # p[b, i, token[b, i]] in one indexing op
     return p_token if omega is None else omega.squeeze(-1) * p_token
 
 
@@ -204,12 +206,13 @@ def _verify_tree_impl(rule: str, index: TreeIndex, P: torch.Tensor, Q: torch.Ten
     rejected_at = torch.full((batch,), -1, dtype=torch.int64, device=device)  # internal index where all failed
     depth = index.tree.depth
     path = torch.zeros(batch, depth, dtype=torch.int64, device=device)
+    u_accept = u_accept.to(_F64)  # once, not per depth
     for t in range(depth):
         internal = index.internal_of[node]
         at_internal = walking & (internal >= 0)
         i = internal.clamp(min=0)
         kids = index.child_nodes[i]  # [B, C]
-        passed = torch.gather(u_accept.to(_F64), 1, kids) < pass_probs[rows, i]
+        passed = torch.gather(u_accept, 1, kids) < pass_probs[rows, i]
         first = passed.to(torch.int64).argmax(1)
         descend = at_internal & passed.any(1)
         rejected_at = torch.where(at_internal & ~descend, i, rejected_at)
