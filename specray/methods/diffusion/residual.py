@@ -13,6 +13,7 @@ All scalar math (delta, c_alpha, log Z, the bisection) is float64, as the spec r
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 
@@ -39,11 +40,10 @@ _NEG_SQRT_HALF_T, _HALF_LOG_2PI_T, _ZERO_T = _const(-_SQRT_HALF), _const(_HALF_L
 
 def log1mexp(x: torch.Tensor) -> torch.Tensor:
     """``log(1 - exp(x))`` for ``x < 0``, accurate on both sides of -ln 2."""
-    near = x > _LOG_HALF_T
-    which = all_or_none(near)  # one branch suffices where every element takes it: the same values
+    which = host_test(x, lambda t: t > _LOG_HALF)  # one branch suffices where every element takes it
     if which is not None:
         return torch.expm1(x).neg_().log_() if which else torch.exp(x).neg_().log1p_()
-    return torch.where(near, torch.expm1(x).neg_().log_(), torch.exp(x).neg_().log1p_())
+    return torch.where(x > _LOG_HALF_T, torch.expm1(x).neg_().log_(), torch.exp(x).neg_().log1p_())
 
 
 def any_of(mask: torch.Tensor) -> bool:
@@ -68,6 +68,18 @@ def all_or_none(mask: torch.Tensor) -> bool | None:
     return None if bool(mask.any()) else False
 
 
+def host_test(x: torch.Tensor, test: Callable[[float], bool]) -> bool | None:
+    """:func:`all_or_none` of the mask ``test(x)`` made on the host from the elements of a CPU tensor as
+    Python floats (whose comparisons are the IEEE ones torch makes): reading a few elements costs less
+    than a comparison op on them. None on an accelerator."""
+    if not x.is_cpu:
+        return None
+    if x.numel() == 1:
+        return test(x.item())
+    hits = [test(t) for t in x.reshape(-1).tolist()]
+    return True if all(hits) else None if any(hits) else False
+
+
 def log_ndtr(x: torch.Tensor) -> torch.Tensor:
     """``log Phi(x)`` in float64: ``log(erfc(-x/sqrt 2)/2)`` above -30 (relatively accurate there
     and several times faster than ``torch.special.log_ndtr`` on CPU; note ``torch.special.ndtr``
@@ -76,7 +88,7 @@ def log_ndtr(x: torch.Tensor) -> torch.Tensor:
     return _log_ndtr(x, far, any_of(far))
 
 
-def _log_ndtr(x: torch.Tensor, far: torch.Tensor, any_far: bool) -> torch.Tensor:
+def _log_ndtr(x: torch.Tensor, far: torch.Tensor | None, any_far: bool) -> torch.Tensor:
     """:func:`log_ndtr` given ``far = x < -30`` and whether any element is."""
     # with no x below -30 the clamp would return x itself
     head = torch.special.erfc((torch.clamp(x, min=-_TAIL) if any_far else x) * _NEG_SQRT_HALF_T).mul_(_HALF_T).log_()
@@ -112,10 +124,10 @@ def _log_G_offset(v: torch.Tensor, c: torch.Tensor, delta: torch.Tensor, log_alp
 def _log_G_at(s: torch.Tensor, v: torch.Tensor, delta: torch.Tensor, log_alpha: torch.Tensor) -> torch.Tensor:
     """:func:`_log_G_offset` given ``s = c + v`` as well."""
     shifted = s - delta
-    far_shifted = shifted < _NEG_TAIL_T
-    any_far_shifted = any_of(far_shifted)
+    any_far_shifted = host_test(shifted, lambda t: t < -_TAIL) is not False
+    far_shifted = shifted < _NEG_TAIL_T if any_far_shifted else None  # (a mask only where one is read)
     # delta >= 0, so s - delta <= s: where no s - delta is below -30, no s is either
-    far = s < _NEG_TAIL_T if any_far_shifted else far_shifted
+    far = s < _NEG_TAIL_T if any_far_shifted else None
     any_far = any_far_shifted and any_of(far)
     log_phi_s = _log_ndtr(s, far, any_far)
     inner = _log_ndtr(shifted, far_shifted, any_far_shifted).sub_(log_phi_s).sub_(log_alpha)
@@ -236,9 +248,9 @@ def _newton_step(v: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, c: torch.T
     s = c + v
     log_g = _log_G_at(s, v, delta, log_alpha)
     f = log_g - target
-    above = f > _ZERO_T
-    which = all_or_none(above)  # where every row moves the same end, it is v (the wheres' values)
+    which = host_test(f, lambda t: t > 0.0)  # where every row moves the same end, it is v (the wheres' values)
     if which is None:
+        above = f > _ZERO_T
         hi, lo = torch.where(above, v, hi), torch.where(above, lo, v)
     elif which:
         hi = v
@@ -247,12 +259,24 @@ def _newton_step(v: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, c: torch.T
     # d/ds log G = alpha phi(s) (1 - e^{delta v}) / G
     log_dg = (log_alpha - _HALF_T * s * s).sub_(_HALF_LOG_2PI_T).add_(log1mexp((delta * v).clamp_(max=-1e-300)))
     v_new = v - f.mul_(log_g.sub_(log_dg).exp_())
+    if _host_inside(v_new, lo, hi, check_finite):  # the where would keep v_new whole
+        return v_new, lo, hi
     inside = (v_new >= lo).logical_and_(v_new <= hi)
     if check_finite:
         inside.logical_and_(torch.isfinite(v_new))
-    if all_or_none(inside):  # the where would keep v_new whole
-        return v_new, lo, hi
     return torch.where(inside, v_new, _HALF_T * (lo + hi)), lo, hi
+
+
+def _host_inside(v: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, check_finite: bool) -> bool:
+    """On the CPU, whether every ``v`` lies in its bracket ``[lo, hi]`` (and is finite, with
+    ``check_finite``), read on the host as :func:`host_test` does; False on an accelerator."""
+    if not v.is_cpu:
+        return False
+    if v.numel() == 1:
+        vs, los, his = [v.item()], [lo.item()], [hi.item()]
+    else:
+        vs, los, his = (t.reshape(-1).tolist() for t in (v, lo, hi))
+    return all(a <= x <= b and (not check_finite or math.isfinite(x)) for x, a, b in zip(vs, los, his))
 
 
 def sample_residual(
@@ -274,12 +298,16 @@ def sample_residual(
     D = Delta.reshape(n, -1).to(torch.float64)
     Z = zeta.reshape(n, -1).to(torch.float64)
     delta = torch.linalg.vector_norm(D, dim=1)
-    tiny = delta <= DELTA_MIN
-    safe_delta = torch.where(tiny, torch.ones_like(delta), delta)
+    # without a tiny delta the wheres on it would keep their other branch whole
+    any_tiny = host_test(delta, lambda t: t <= DELTA_MIN) is not False
+    tiny = delta <= DELTA_MIN if any_tiny else None
+    safe_delta = torch.where(tiny, torch.ones_like(delta), delta) if any_tiny else delta
     e = D / safe_delta[:, None]
     s = sample_psi(safe_delta, log_alpha, u)
     z_perp = Z - (Z * e).sum(dim=1, keepdim=True) * e
-    z = torch.where(tiny[:, None], Z, s[:, None] * e + z_perp)
+    z = s[:, None] * e + z_perp
+    if any_tiny:
+        z = torch.where(tiny[:, None], Z, z)
     y = m_q.reshape(n, -1).to(torch.float64) + sigma.to(torch.float64)[:, None] * z
     return y.reshape(m_q.shape).to(m_q.dtype)
 

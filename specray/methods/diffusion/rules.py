@@ -79,11 +79,15 @@ def _block_weights(log_rho: torch.Tensor, delta: torch.Tensor, g: torch.Tensor, 
     if any_tiny:
         log_rho = torch.where(tiny, torch.zeros_like(log_rho), log_rho)
     # Past g, log rho = 0 keeps w: log w is +0 or negative, so min(0, log w + 0) is log w, bit for bit.
-    log_rho_cols = _keep(valid, all_valid, log_rho).unbind(1)
-    cols = [torch.zeros(n, dtype=torch.float64, device=log_rho.device)]
-    for j in range(G):
-        cols.append(torch.clamp(cols[j] + log_rho_cols[j], max=0.0))
-    log_w = torch.stack(cols, dim=1)
+    if log_rho.is_cpu:  # the same IEEE additions and clamps on Python floats, not 2 G ops on n-element columns
+        log_w = torch.tensor([_running_log_w(row) for row in _keep(valid, all_valid, log_rho).tolist()],
+                             dtype=torch.float64).reshape(n, G + 1)
+    else:
+        log_rho_cols = _keep(valid, all_valid, log_rho).unbind(1)
+        cols = [torch.zeros(n, dtype=torch.float64, device=log_rho.device)]
+        for j in range(G):
+            cols.append(torch.clamp(cols[j] + log_rho_cols[j], max=0.0))
+        log_w = torch.stack(cols, dim=1)
     lw = log_w[:, :G]
     if any_tiny:
         safe_delta = torch.where(tiny, torch.ones_like(delta), delta)
@@ -96,6 +100,16 @@ def _block_weights(log_rho: torch.Tensor, delta: torch.Tensor, g: torch.Tensor, 
     rows = torch.arange(n, device=g.device)
     h[rows, g] = log_w[rows, g].exp()
     return log_w, h
+
+
+def _running_log_w(log_rho: list[float]) -> list[float]:
+    """``[0, min(0, 0 + r_1), ...]``: the columns of log w for one row, as ``torch.clamp(w + r, max=0)``
+    makes them (which keeps w, -0.0 and NaN included, unless ``w > 0``)."""
+    out = [0.0]
+    for r in log_rho:
+        w = out[-1] + r
+        out.append(0.0 if w > 0.0 else w)
+    return out
 
 
 def block_verify(log_rho: torch.Tensor, delta: torch.Tensor, g: torch.Tensor, eta: torch.Tensor) -> Verdict:
