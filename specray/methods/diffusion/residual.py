@@ -13,6 +13,7 @@ All scalar math (delta, c_alpha, log Z, the bisection) is float64, as the spec r
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 
@@ -26,29 +27,71 @@ _HALF_LOG_2PI = 0.5 * math.log(2 * math.pi)
 _SQRT_HALF = math.sqrt(0.5)  # beyond -_TAIL the left-tail expansion of log Phi is used for differences
 
 
+def _const(x: float) -> torch.Tensor:
+    return torch.tensor(x, dtype=torch.float64)
+
+
+# The scalar math's constants as 0-dim float64 tensors (every device takes them as scalars): an op with
+# a tensor operand skips wrapping a Python number, which costs as much as the op on the 1-element
+# tensors of the loop's one residual draw per round. The same float64 values, so the same results.
+_HALF_T, _LOG_HALF_T, _NEG_TAIL_T = _const(0.5), _const(_LOG_HALF), _const(-_TAIL)
+_NEG_SQRT_HALF_T, _HALF_LOG_2PI_T, _ZERO_T = _const(-_SQRT_HALF), _const(_HALF_LOG_2PI), _const(0.0)
+
+
 def log1mexp(x: torch.Tensor) -> torch.Tensor:
     """``log(1 - exp(x))`` for ``x < 0``, accurate on both sides of -ln 2."""
-    return torch.where(x > _LOG_HALF, torch.log(-torch.expm1(x)), torch.log1p(-torch.exp(x)))
+    which = host_test(x, lambda t: t > _LOG_HALF)  # one branch suffices where every element takes it
+    if which is not None:
+        return torch.expm1(x).neg_().log_() if which else torch.exp(x).neg_().log1p_()
+    return torch.where(x > _LOG_HALF_T, torch.expm1(x).neg_().log_(), torch.exp(x).neg_().log1p_())
 
 
 def any_of(mask: torch.Tensor) -> bool:
     """Whether a branch that only some elements need must be computed: ``mask.any()`` on the CPU, where
     reading it is free; True on an accelerator, where reading it would wait for the device (the branch
     is then computed for every element and ``torch.where`` keeps it where the mask says, the same values)."""
-    return bool(mask.any()) if mask.device.type == "cpu" else True
+    if not mask.is_cpu:
+        return True
+    return bool(mask) if mask.numel() == 1 else bool(mask.any())
+
+
+def all_or_none(mask: torch.Tensor) -> bool | None:
+    """On the CPU, True where every element of ``mask`` is set and False where none is (so ``torch.where``
+    on it would keep one branch whole, which is then all there is to compute); None otherwise, and
+    always on an accelerator (see :func:`any_of`)."""
+    if not mask.is_cpu:
+        return None
+    if mask.numel() == 1:
+        return bool(mask)
+    if bool(mask.all()):
+        return True
+    return None if bool(mask.any()) else False
+
+
+def host_test(x: torch.Tensor, test: Callable[[float], bool]) -> bool | None:
+    """:func:`all_or_none` of the mask ``test(x)`` made on the host from the elements of a CPU tensor as
+    Python floats (whose comparisons are the IEEE ones torch makes): reading a few elements costs less
+    than a comparison op on them. None on an accelerator."""
+    if not x.is_cpu:
+        return None
+    if x.numel() == 1:
+        return test(x.item())
+    hits = [test(t) for t in x.reshape(-1).tolist()]
+    return True if all(hits) else None if any(hits) else False
 
 
 def log_ndtr(x: torch.Tensor) -> torch.Tensor:
     """``log Phi(x)`` in float64: ``log(erfc(-x/sqrt 2)/2)`` above -30 (relatively accurate there
     and several times faster than ``torch.special.log_ndtr`` on CPU; note ``torch.special.ndtr``
     is not relatively accurate for negative x), the left-tail expansion below."""
-    far = x < -_TAIL
+    far = x < _NEG_TAIL_T
     return _log_ndtr(x, far, any_of(far))
 
 
-def _log_ndtr(x: torch.Tensor, far: torch.Tensor, any_far: bool) -> torch.Tensor:
+def _log_ndtr(x: torch.Tensor, far: torch.Tensor | None, any_far: bool) -> torch.Tensor:
     """:func:`log_ndtr` given ``far = x < -30`` and whether any element is."""
-    head = torch.log(0.5 * torch.special.erfc(torch.clamp(x, min=-_TAIL) * -_SQRT_HALF))
+    # with no x below -30 the clamp would return x itself
+    head = torch.special.erfc((torch.clamp(x, min=-_TAIL) if any_far else x) * _NEG_SQRT_HALF_T).mul_(_HALF_T).log_()
     if not any_far:
         return head
     t = torch.clamp(x, max=-_TAIL)
@@ -81,18 +124,18 @@ def _log_G_offset(v: torch.Tensor, c: torch.Tensor, delta: torch.Tensor, log_alp
 def _log_G_at(s: torch.Tensor, v: torch.Tensor, delta: torch.Tensor, log_alpha: torch.Tensor) -> torch.Tensor:
     """:func:`_log_G_offset` given ``s = c + v`` as well."""
     shifted = s - delta
-    far_shifted = shifted < -_TAIL
-    any_far_shifted = any_of(far_shifted)
+    any_far_shifted = host_test(shifted, lambda t: t < -_TAIL) is not False
+    far_shifted = shifted < _NEG_TAIL_T if any_far_shifted else None  # (a mask only where one is read)
     # delta >= 0, so s - delta <= s: where no s - delta is below -30, no s is either
-    far = s < -_TAIL if any_far_shifted else far_shifted
+    far = s < _NEG_TAIL_T if any_far_shifted else None
     any_far = any_far_shifted and any_of(far)
     log_phi_s = _log_ndtr(s, far, any_far)
-    inner = _log_ndtr(shifted, far_shifted, any_far_shifted) - log_phi_s - log_alpha
+    inner = _log_ndtr(shifted, far_shifted, any_far_shifted).sub_(log_phi_s).sub_(log_alpha)
     if any_far:
         t = torch.clamp(s, max=-_TAIL)
         tail = delta * v - torch.log1p(delta / (-t)) + _log_mills_series(t - delta) - _log_mills_series(t)
         inner = torch.where(far, tail, inner)
-    return log_alpha + log_phi_s + log1mexp(inner.clamp(max=0.0))
+    return (log_alpha + log_phi_s).add_(log1mexp(inner.clamp_(max=0.0)))
 
 
 def log_G(s: torch.Tensor, delta: torch.Tensor, log_alpha: torch.Tensor) -> torch.Tensor:
@@ -146,7 +189,10 @@ def sample_psi(delta: torch.Tensor, log_alpha: torch.Tensor, u: torch.Tensor, me
     target = torch.log(u) + _log_G_offset(torch.zeros_like(c), c, delta, log_alpha)
     a = target - log_alpha
     far = a < -600.0
-    lo = torch.where(far, -torch.sqrt(-2 * a), torch.special.ndtri(torch.exp(torch.where(far, torch.zeros_like(a), a))))
+    if any_of(far):
+        lo = torch.where(far, -torch.sqrt(-2 * a), torch.special.ndtri(torch.exp(torch.where(far, torch.zeros_like(a), a))))
+    else:  # what the where would keep
+        lo = torch.special.ndtri(torch.exp(a))
     lo = torch.clamp(lo - c, max=0.0)
     hi = torch.zeros_like(c)
     if method == "bisection":
@@ -173,11 +219,15 @@ def _newton(lo: torch.Tensor, hi: torch.Tensor, c: torch.Tensor, delta: torch.Te
     states = [(lo.clone(), lo, hi)]
     if lo.device.type != "cpu":
         for _ in range(NEWTON_STEPS):
-            states = [_newton_step(*states[-1], c, delta, log_alpha, target)]
+            states = [_newton_step(*states[-1], c, delta, log_alpha, target, True)]
         return states[-1][0]
+    # Every v (and so lo and hi) is a midpoint or a v_new that passed the bracket check within [lo, 0]:
+    # from a finite lo above -1e307 (no midpoint overflows) all stay finite, and a v_new that is not
+    # fails the check without isfinite.
+    check_finite = not bool((lo >= -1e307).all())
     v_bits = [states[0][0].view(torch.int64)]
     for i in range(NEWTON_STEPS):
-        states.append(_newton_step(*states[-1], c, delta, log_alpha, target))
+        states.append(_newton_step(*states[-1], c, delta, log_alpha, target, check_finite))
         v_bits.append(states[-1][0].view(torch.int64))
         if torch.equal(v_bits[-1], v_bits[-2]):
             return states[-1][0]
@@ -191,21 +241,42 @@ def _same_bits(a: tuple[torch.Tensor, ...], b: tuple[torch.Tensor, ...]) -> bool
 
 
 def _newton_step(v: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, c: torch.Tensor, delta: torch.Tensor,
-                 log_alpha: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                 log_alpha: torch.Tensor, target: torch.Tensor,
+                 check_finite: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     # psi_alpha is log-concave, so log G is concave: Newton started left of the root (at the
     # bracket's lower end) climbs monotonically to it without overshooting.
     s = c + v
     log_g = _log_G_at(s, v, delta, log_alpha)
     f = log_g - target
-    above = f > 0
-    hi = torch.where(above, v, hi)
-    lo = torch.where(above, lo, v)
+    which = host_test(f, lambda t: t > 0.0)  # where every row moves the same end, it is v (the wheres' values)
+    if which is None:
+        above = f > _ZERO_T
+        hi, lo = torch.where(above, v, hi), torch.where(above, lo, v)
+    elif which:
+        hi = v
+    else:
+        lo = v
     # d/ds log G = alpha phi(s) (1 - e^{delta v}) / G
-    log_dg = log_alpha - 0.5 * s * s - _HALF_LOG_2PI + log1mexp(torch.clamp(delta * v, max=-1e-300))
-    step = f * torch.exp(log_g - log_dg)
-    v_new = v - step
-    inside = (v_new >= lo) & (v_new <= hi) & torch.isfinite(v_new)
-    return torch.where(inside, v_new, 0.5 * (lo + hi)), lo, hi
+    log_dg = (log_alpha - _HALF_T * s * s).sub_(_HALF_LOG_2PI_T).add_(log1mexp((delta * v).clamp_(max=-1e-300)))
+    v_new = v - f.mul_(log_g.sub_(log_dg).exp_())
+    if _host_inside(v_new, lo, hi, check_finite):  # the where would keep v_new whole
+        return v_new, lo, hi
+    inside = (v_new >= lo).logical_and_(v_new <= hi)
+    if check_finite:
+        inside.logical_and_(torch.isfinite(v_new))
+    return torch.where(inside, v_new, _HALF_T * (lo + hi)), lo, hi
+
+
+def _host_inside(v: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, check_finite: bool) -> bool:
+    """On the CPU, whether every ``v`` lies in its bracket ``[lo, hi]`` (and is finite, with
+    ``check_finite``), read on the host as :func:`host_test` does; False on an accelerator."""
+    if not v.is_cpu:
+        return False
+    if v.numel() == 1:
+        vs, los, his = [v.item()], [lo.item()], [hi.item()]
+    else:
+        vs, los, his = (t.reshape(-1).tolist() for t in (v, lo, hi))
+    return all(a <= x <= b and (not check_finite or math.isfinite(x)) for x, a, b in zip(vs, los, his))
 
 
 def sample_residual(
@@ -227,12 +298,16 @@ def sample_residual(
     D = Delta.reshape(n, -1).to(torch.float64)
     Z = zeta.reshape(n, -1).to(torch.float64)
     delta = torch.linalg.vector_norm(D, dim=1)
-    tiny = delta <= DELTA_MIN
-    safe_delta = torch.where(tiny, torch.ones_like(delta), delta)
+    # without a tiny delta the wheres on it would keep their other branch whole
+    any_tiny = host_test(delta, lambda t: t <= DELTA_MIN) is not False
+    tiny = delta <= DELTA_MIN if any_tiny else None
+    safe_delta = torch.where(tiny, torch.ones_like(delta), delta) if any_tiny else delta
     e = D / safe_delta[:, None]
     s = sample_psi(safe_delta, log_alpha, u)
     z_perp = Z - (Z * e).sum(dim=1, keepdim=True) * e
-    z = torch.where(tiny[:, None], Z, s[:, None] * e + z_perp)
+    z = s[:, None] * e + z_perp
+    if any_tiny:
+        z = torch.where(tiny[:, None], Z, z)
     y = m_q.reshape(n, -1).to(torch.float64) + sigma.to(torch.float64)[:, None] * z
     return y.reshape(m_q.shape).to(m_q.dtype)
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specray.methods.diffusion.residual import DELTA_MIN, log1mexp, log_residual_mass
+from specray.methods.diffusion.residual import DELTA_MIN, all_or_none, any_of, log1mexp, log_residual_mass
 
 
 @dataclass
@@ -61,26 +61,55 @@ def block_weights(log_rho: torch.Tensor, delta: torch.Tensor, g: torch.Tensor) -
     ``h_i = R_i / (R_i + 1 - w_i)`` for ``i < g`` with ``R_i = Z_{w_i}(delta_{i+1})`` the mass of
     ``(w_i q - p)^+`` (``h_i = 1`` when ``w_i = 1``), and ``h_g = w_g``; entries past ``g`` are 0.
     """
+    valid = _valid(g, log_rho.shape[1])
+    return _block_weights(log_rho, delta, g, valid, all_or_none(valid))
+
+
+def _keep(mask: torch.Tensor, uniform: bool | None, x: torch.Tensor) -> torch.Tensor:
+    """``where(mask, x, 0)``; ``uniform``: :func:`all_or_none` of the mask (True: x itself, the same values)."""
+    return x if uniform else torch.where(mask, x, torch.zeros_like(x))
+
+
+def _block_weights(log_rho: torch.Tensor, delta: torch.Tensor, g: torch.Tensor, valid: torch.Tensor,
+                   all_valid: bool | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`block_weights` given ``valid = _valid(g, G)`` and :func:`all_or_none` of it."""
     n, G = log_rho.shape
     tiny = delta <= DELTA_MIN
-    log_rho = torch.where(tiny, torch.zeros_like(log_rho), log_rho)
-    valid = _valid(g, G)
+    any_tiny = any_of(tiny)  # without identical kernels the wheres on tiny would keep their other branch
+    if any_tiny:
+        log_rho = torch.where(tiny, torch.zeros_like(log_rho), log_rho)
     # Past g, log rho = 0 keeps w: log w is +0 or negative, so min(0, log w + 0) is log w, bit for bit.
-    log_rho_cols = torch.where(valid, log_rho, torch.zeros_like(log_rho)).unbind(1)
-    cols = [torch.zeros(n, dtype=torch.float64, device=log_rho.device)]
-    for j in range(G):
-        cols.append(torch.clamp(cols[j] + log_rho_cols[j], max=0.0))
-    log_w = torch.stack(cols, dim=1)
+    if log_rho.is_cpu:  # the same IEEE additions and clamps on Python floats, not 2 G ops on n-element columns
+        log_w = torch.tensor([_running_log_w(row) for row in _keep(valid, all_valid, log_rho).tolist()],
+                             dtype=torch.float64).reshape(n, G + 1)
+    else:
+        log_rho_cols = _keep(valid, all_valid, log_rho).unbind(1)
+        cols = [torch.zeros(n, dtype=torch.float64, device=log_rho.device)]
+        for j in range(G):
+            cols.append(torch.clamp(cols[j] + log_rho_cols[j], max=0.0))
+        log_w = torch.stack(cols, dim=1)
     lw = log_w[:, :G]
-    safe_delta = torch.where(tiny, torch.ones_like(delta), delta)
-    log_R = torch.where(tiny, torch.full_like(delta, -torch.inf), log_residual_mass(safe_delta, lw))
+    if any_tiny:
+        safe_delta = torch.where(tiny, torch.ones_like(delta), delta)
+        log_R = torch.where(tiny, torch.full_like(delta, -torch.inf), log_residual_mass(safe_delta, lw))
+    else:
+        log_R = log_residual_mass(delta, lw)
     log_one_minus_w = log1mexp(torch.clamp(lw, max=-1e-300))
     h_inner = torch.where(lw >= 0, torch.ones_like(lw), torch.sigmoid(log_R - log_one_minus_w))
-    h = torch.zeros(n, G + 1, dtype=torch.float64, device=log_rho.device)
-    h[:, :G] = torch.where(valid, h_inner, torch.zeros_like(h_inner))
+    h = torch.cat([_keep(valid, all_valid, h_inner), torch.zeros_like(log_w[:, :1])], dim=1)
     rows = torch.arange(n, device=g.device)
     h[rows, g] = log_w[rows, g].exp()
     return log_w, h
+
+
+def _running_log_w(log_rho: list[float]) -> list[float]:
+    """``[0, min(0, 0 + r_1), ...]``: the columns of log w for one row, as ``torch.clamp(w + r, max=0)``
+    makes them (which keeps w, -0.0 and NaN included, unless ``w > 0``)."""
+    out = [0.0]
+    for r in log_rho:
+        w = out[-1] + r
+        out.append(0.0 if w > 0.0 else w)
+    return out
 
 
 def block_verify(log_rho: torch.Tensor, delta: torch.Tensor, g: torch.Tensor, eta: torch.Tensor) -> Verdict:
@@ -90,14 +119,15 @@ def block_verify(log_rho: torch.Tensor, delta: torch.Tensor, g: torch.Tensor, et
     ``tau = max{i in 0..g : eta_i <= h_i}``; the residual at the cut has weight ``alpha = w_tau``.
     """
     n, G = log_rho.shape
-    log_w, h = block_weights(log_rho, delta, g)
+    valid = _valid(g, G)
+    all_valid = all_or_none(valid)
+    log_w, h = _block_weights(log_rho, delta, g, valid, all_valid)
     coins = torch.cat([torch.zeros(n, 1, dtype=torch.float64, device=eta.device), eta.to(torch.float64)], dim=1)
     index = torch.arange(G + 1, device=g.device)[None, :]
     passes = (coins <= h) & (index <= g[:, None])
     passes[:, 0] = True
-    tau = torch.where(passes, index, torch.zeros_like(index)).max(dim=1).values
+    tau = (passes * index).max(dim=1).values  # index where it passes, else 0
     rows = torch.arange(n, device=g.device)
-    valid = _valid(g, G)
-    expected = torch.where(valid, log_w[:, :G].exp(), torch.zeros(n, G, dtype=torch.float64, device=g.device)).sum(dim=1)
+    expected = _keep(valid, all_valid, log_w[:, :G].exp()).sum(dim=1)
     log_alpha = torch.where(tau < g, log_w[rows, tau], torch.zeros_like(log_w[:, 0]))
     return Verdict(tau=tau, log_alpha=log_alpha, expected_advance=expected)
