@@ -63,9 +63,9 @@ from bench.pricing import (  # noqa: E402
     paired_speedup,
     parse_shape,
     per_repetition,
+    predicted_time,
     run_arm,
     run_in_turns,
-    shape_cost,
     shape_key,
     since,
     stamp,
@@ -243,11 +243,6 @@ def cost_timer(pair: ModelPair, shapes: list[str], use_cfg: bool) -> Interleaved
     return InterleavedTimer(calls, pair.device)
 
 
-def predicted_time(counts: CallCounts, costs: dict[str, float]) -> float:
-    """Sum over the arm's calls of each call's cost at its own shape."""
-    return sum(n * shape_cost(key, costs, counts.batch) for key, n in counts.shapes.items())
-
-
 def resample_numbers(stats: list) -> tuple[float, int]:
     """Mean residual proposals per resampled token, and cap hits (CSpD's extras; zero for target_only)."""
     resampled = sum(s.extra.get("resampled_tokens", 0) for s in stats)
@@ -286,8 +281,8 @@ def bench_batch(pair: ModelPair, batch: int, samples: int, reps: int, gamma: int
             mine = [t[clock] for t in runs[name]]
             base = [t[clock] for t in runs[base_name]]
             rep_totals = [t[clock] for t in per_repetition(runs[name], len(work))]
-            pred_time = predicted_time(counts, costs[clock])
-            predicted = predicted_time(counted[base_name][0], costs[clock]) / pred_time
+            pred_time = predicted_time(counts.shapes, costs[clock], batch)
+            predicted = predicted_time(counted[base_name][0].shapes, costs[clock], batch) / pred_time
             speedup = paired_speedup(base, mine)
             clocks[clock] = ClockResult(
                 s_per_sample=statistics.median(rep_totals) / samples, speedup=speedup, predicted_speedup=predicted,

@@ -65,9 +65,9 @@ from bench.pricing import (  # noqa: E402
     parse_shape,
     partial_rows_grid,
     per_repetition,
+    predicted_time,
     run_arm,
     run_in_turns,
-    shape_cost,
     shape_key,
     split_efficiency,
     start_report,
@@ -241,11 +241,6 @@ def cost_timer(pairs: dict[str, ModelPair], batch: int, gamma: int, shapes: list
     return InterleavedTimer(calls, pairs[DRAFT].device)
 
 
-def predicted_time(counts: CallCounts, costs: dict[str, float]) -> float:
-    """Sum over the arm's calls of each call's cost at its own shape."""
-    return sum(n * shape_cost(key, costs, counts.batch) for key, n in counts.shapes.items())
-
-
 def bench_batch(pairs: dict[str, ModelPair], batch: int, samples: int, reps: int, gamma: int, seed: int,
                 cost_timings: int) -> tuple[list[ArmResult], dict[str, dict[str, float]]]:
     work = batches_of(samples, batch)
@@ -281,8 +276,8 @@ def bench_batch(pairs: dict[str, ModelPair], batch: int, samples: int, reps: int
             mine = [t[clock] for t in times[name]]
             base = [t[clock] for t in times[base_name]]
             speedup = paired_speedup(base, mine)
-            pred_time = predicted_time(counts, costs[clock])
-            predicted = predicted_time(counted[base_name][0], costs[clock]) / pred_time
+            pred_time = predicted_time(counts.shapes, costs[clock], batch)
+            predicted = predicted_time(counted[base_name][0].shapes, costs[clock], batch) / pred_time
             loop = [t[clock] for t in loop_times[name]] if split else []
             target_calls = counts.total("target") + counts.total("target_f")
             clocks[clock] = ClockResult(

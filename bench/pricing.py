@@ -79,6 +79,11 @@ def shape_cost(key: str, costs: dict[str, float], batch: int) -> float:
     return c_lo + (c_hi - c_lo) * (rows - lo) / (hi - lo)
 
 
+def predicted_time(shapes: dict[str, int], costs: dict[str, float], batch: int) -> float:
+    """Sum over an arm's calls ``{shape key: count}`` of each call's cost at its own shape."""
+    return sum(n * shape_cost(key, costs, batch) for key, n in shapes.items())
+
+
 def time_call(call: Callable[[], object], device: torch.device, calls: int, timings: int = 5,
               warmup: int = 3) -> dict[str, float]:
     """Seconds per call ``{clock: s}``: the median of ``timings`` timings of ``calls`` back-to-back calls."""
