@@ -3,8 +3,12 @@ and of every family's trainer on a text-conditioned preset (captions in the plac
 
 Each trains a copy of a draft preset for 3 steps, twice with the same seed, and checks that the
 fp16 safetensors file is written with its training record and that training is deterministic.
+The text presets read their captions' features from a bank whose encoder hashes each caption
+(MiniLM over all 7,000 captions takes about a minute on one core; its features are checked
+against the official encoder in test_prompts).
 """
 
+import hashlib
 from dataclasses import replace
 
 import pytest
@@ -12,7 +16,18 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from specray.models import presets
+from specray.models import presets, text_training
+from specray.models.text import TextFeatures
+
+
+class _HashEncoder:
+    """Unit-norm 384-d features seeded by each caption's SHA-256: deterministic, distinct per caption."""
+
+    def encode(self, texts):
+        seeds = [int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") for text in texts]
+        pooled = torch.stack([torch.randn(384, generator=torch.Generator().manual_seed(s)) for s in seeds])
+        pooled = torch.nn.functional.normalize(pooled, dim=-1)
+        return TextFeatures(pooled[:, None], torch.ones(len(texts), 1, dtype=torch.bool), pooled)
 
 
 @pytest.mark.parametrize(
@@ -29,6 +44,8 @@ def test_trainer_writes_deterministic_fp16_weights(name, module, tmp_path, monke
     short = {"steps": 3, "batch_size": 8, **{k: 1 for k in ("warmup", "warmup_steps") if k in base.train}}
     tiny = replace(base, name=f"{name}-smoke", train={**base.train, **short})
     monkeypatch.setitem(presets.PRESETS, tiny.name, tiny)
+    banks = {split: text_training.CaptionBank(split, encoder=_HashEncoder()) for split in ("train", "heldout")}
+    monkeypatch.setattr(text_training, "caption_bank", banks.__getitem__)
     train_preset = importlib.import_module(module).train_preset
     torch.set_num_threads(1)
     first = train_preset(tiny.name, tmp_path / "a", seed=0)

@@ -136,7 +136,7 @@ def train_preset(name: str, out_dir: Path, seed: int = 0) -> Path:
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         sched.step()
-        recent = (recent + [float(loss)])[-200:]
+        recent = (recent + [loss.item()])[-200:]
         if step % 500 == 0 or step == steps - 1:
             print(f"[{name}] step {step} loss {sum(recent) / len(recent):.4f} ({time.time() - start:.0f}s)", flush=True)
     held = heldout_loss(model, schedule, seed)
