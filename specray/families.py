@@ -89,7 +89,8 @@ class Family:
     # check_arm(params, target, draft) -> (field under the arm, message) or None.
     check_arm: Callable[[MethodParams, Any, Any], tuple[str, str] | None] | None = None
     # The job field ``compile: true``: compile() returns compile_pair(pair) -> None, which switches the
-    # loaded pair to its compiled decode path (the same law as eager). None: the family has no compiled path.
+    # loaded pair to its compiled path (the same law as eager, up to the kernels' last bits). None: the
+    # family has no compiled path.
     compile: Lazy | None = None
 
     def method(self, name: str) -> Method:
@@ -144,6 +145,11 @@ def _discrete_models():
 def _discrete_compile():
     from specray.models.compiled import compile_pair
     return compile_pair
+
+
+def _continuous_compile():
+    from specray.models.compiled import compile_continuous_pair
+    return compile_continuous_pair
 
 
 def _discrete_trainer():
@@ -275,6 +281,7 @@ FAMILIES: dict[str, Family] = {
         metadata={"preset_weights": True},
         formats={"mar": ModelFormat("mar", _opts.MAROptions, _mar_loader,
                                     "MAR-B/L/H release (checkpoint-last.pth, EMA weights) + KL-16 VAE")},
+        compile=_continuous_compile,
     ),
     "diffusion": Family(
         name="diffusion",

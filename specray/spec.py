@@ -17,7 +17,7 @@ Example::
     num_cpus_per_actor: 1
     num_gpus_per_actor: 0           # fractions allowed: 0.5 puts two actors on a GPU
     max_shard_retries: 3
-    compile: false                  # true: torch.compile the decode steps (discrete_ar)
+    compile: false                  # true: torch.compile the decode steps (discrete_ar), the diffusion head (continuous_ar)
     arms:
       - {name: target_only, family: discrete_ar, method: target_only,
          target: digits-gpt-target, draft: digits-gpt-draft}
@@ -209,7 +209,7 @@ class JobSpec:
     # s3fs options without credentials (endpoint_url, region_name...); credentials come from the AWS environment.
     storage_options: dict[str, Any] = field(default_factory=dict)
     dataset: DatasetSpec | None = None
-    compile: bool = False  # the families' compiled decode paths (specray.models.compiled)
+    compile: bool = False  # the families' compiled paths (specray.models.compiled)
 
     @property
     def shard_size(self) -> int:
@@ -469,7 +469,7 @@ def _compile(path: str, raw: Any, arms: tuple[ArmSpec, ...]) -> bool:
         for i, arm in enumerate(arms):
             if FAMILIES[arm.family].compile is None:
                 raise SpecError(path, f"arms[{i}] ({arm.name!r}) is family {arm.family!r}, which has no compiled "
-                                      f"decode path; families with one: {', '.join(able) or 'none'} "
+                                      f"path; families with one: {', '.join(able) or 'none'} "
                                       "(set compile: false, or run that arm in another job)")
     return raw
 

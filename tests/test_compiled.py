@@ -1,5 +1,6 @@
-"""The compiled decode path (job field ``compile: true``): validation, wiring, and the same tokens
-as the eager path. Speed is measured in ``bench/compiled.py``, not here."""
+"""The compiled paths (job field ``compile: true``): validation, wiring, and the same tokens (discrete)
+or images and acceptance counts (continuous) as the eager path. Speed is measured in
+``bench/compiled.py``, not here."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import pytest
 import torch
 
 from specray.methods.discrete.loop import generate_tokens
-from specray.models.compiled import compile_pair
+from specray.models.compiled import compile_continuous_pair, compile_pair
 from specray.models.discrete_ar import DiscreteGPT, GPTConfig, load_pair
 from specray.models.discrete_train import save_model
 from specray.spec import SpecError, load_job
@@ -26,7 +27,7 @@ def test_compile_is_validated_and_part_of_the_fingerprint(tmp_path):
     diffusion = {"name": "ddpm", "family": "diffusion", "method": "target_only", "target": "digits-ddpm",
                  "draft": None}
     with pytest.raises(SpecError, match=r"^compile: arms\[1\] \('ddpm'\) is family 'diffusion', which has no "
-                                        r"compiled decode path; families with one: discrete_ar"):
+                                        r"compiled path; families with one: discrete_ar, continuous_ar"):
         load_job({**job(tmp_path, compile=True), "arms": job(tmp_path)["arms"] + [diffusion]})
     eager, explicit, compiled = (load_job(job(tmp_path, **f)) for f in ({}, {"compile": False}, {"compile": True}))
     assert compiled.compile and not eager.compile
@@ -43,6 +44,11 @@ def test_the_actor_compiles_the_pair_of_a_compile_job(tmp_path):
     assert pair.target.compiled_decode is not None and pair.draft.compiled_decode is not None
     eager = ShardWorker(load_job(job(tmp_path)))._pair(spec.arms[0].group_key)
     assert eager.target.compiled_decode is None
+    mar = {"name": "cspd", "family": "continuous_ar", "method": "cspd", "target": "digits-mar-target",
+           "draft": "digits-mar-draft"}
+    spec = load_job({**job(tmp_path, compile=True), "arms": [mar]})
+    pair = ShardWorker(spec)._pair(spec.arms[0].group_key)
+    assert pair.target.compiled_head is not None and pair.draft.compiled_head is not None
 
 
 def tiny_pair(tmp_path, device="cpu"):
@@ -90,3 +96,77 @@ def test_a_step_that_fails_to_compile_runs_eager_with_a_warning(tmp_path, monkey
     assert torch.equal(tokens, generate_tokens("sd", {"gamma": 3}, eager, labels, ids, 0)[0])
     assert "torch.compile failed for the decode step (Unsupported: no C++ compiler on this node)" in caplog.text
     assert broken.target.compiled_decode == broken.target.decode_all_rows
+
+
+def _counts(stats) -> dict:
+    """A sample's statistics without the float means in ``extra`` (last-bit differences of the head)."""
+    extra = {k: v for k, v in stats.extra.items() if not isinstance(v, float)}
+    return {**vars(stats), "extra": extra}
+
+
+@pytest.mark.slow
+def test_compiled_head_gives_the_eager_images_and_acceptance_counts():
+    """target_only and cspd (gamma 4) on the digits-mar presets, batch 3 and batch 1, 2 seeds: the same
+    uint8 images and acceptance counts from the compiled heads as from the eager ones, and the float
+    means within 1e-4 (about half a minute, most of it compiling 4 graphs: 2 heads x one row / more)."""
+    from specray.methods.continuous.loop import run_batch
+    from specray.models.continuous_ar import load_pair as load_continuous_pair
+
+    eager = load_continuous_pair("digits-mar-target", "digits-mar-draft", "cpu")
+    compiled = load_continuous_pair("digits-mar-target", "digits-mar-draft", "cpu")
+    compile_continuous_pair(compiled)
+    torch._dynamo.utils.counters.clear()
+    for labels, ids in ((torch.tensor([0, 3, 7]), torch.tensor([5, 6, 7])), (torch.tensor([4]), torch.tensor([9]))):
+        for method, params in (("target_only", {}), ("cspd", {"gamma": 4})):
+            for seed in (0, 1):
+                out_e = run_batch(method, params, eager, labels, ids, seed)
+                out_c = run_batch(method, params, compiled, labels, ids, seed)
+                assert torch.equal(out_e.images, out_c.images), (method, seed, labels)
+                assert [_counts(s) for s in out_e.stats] == [_counts(s) for s in out_c.stats]
+                for s_e, s_c in zip(out_e.stats, out_c.stats):
+                    floats = [k for k, v in s_e.extra.items() if isinstance(v, float)]
+                    assert all(s_c.extra[k] == pytest.approx(s_e.extra[k], rel=1e-4) for k in floats)
+    # the compiled heads really ran (one graph for one row, one for more, per model), not the fallback
+    assert compiled.target.compiled_head is not compiled.target.head
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 2
+
+
+@pytest.mark.slow
+def test_a_mar_release_compiles_its_diffloss_net_with_the_eager_images():
+    """The official-layout MAR fixture (random weights, KL decoder): target_only and cspd, 3 samples."""
+    from specray.families import format_options
+    from specray.methods.continuous.loop import run_batch
+    from specray.models.continuous_ar import load_pair as load_continuous_pair
+    from tests.checkpoint_fixtures import mar_draft, mar_target
+
+    eager, compiled = (load_continuous_pair(mar_target(), mar_draft(), "cpu") for _ in range(2))
+    compile_continuous_pair(compiled)
+    params = format_options("continuous_ar", mar_target()).sampling_defaults() | {"sample_steps": 10}
+    labels, ids = torch.tensor([1, 2, 5]), torch.arange(3)
+    for method in ("target_only", "cspd"):
+        out_e, out_c = (run_batch(method, params, pair, labels, ids, 0) for pair in (eager, compiled))
+        assert torch.equal(out_e.images, out_c.images), method
+        assert [_counts(s) for s in out_e.stats] == [_counts(s) for s in out_c.stats]
+    assert compiled.target.compiled_head is not compiled.target.head_net
+
+
+def test_a_head_that_fails_to_compile_runs_eager_with_a_warning(monkeypatch, caplog):
+    import specray.models.compiled as compiled_module
+    from specray.methods.continuous.loop import run_batch
+    from specray.models.continuous_ar import load_pair as load_continuous_pair
+
+    def failing_compile(fn, **options):
+        def compiled(*args):
+            raise torch._dynamo.exc.Unsupported("no C++ compiler on this node")
+        return compiled
+
+    monkeypatch.setattr(compiled_module.torch, "compile", failing_compile)
+    eager = load_continuous_pair("digits-mar-target", "digits-mar-draft", "cpu")
+    broken = load_continuous_pair("digits-mar-target", "digits-mar-draft", "cpu")
+    compile_continuous_pair(broken)
+    labels, ids = torch.tensor([1, 2]), torch.tensor([0, 1])
+    with caplog.at_level("WARNING", logger="specray.models.compiled"):
+        images = run_batch("cspd", {"gamma": 4}, broken, labels, ids, 0).images
+    assert torch.equal(images, run_batch("cspd", {"gamma": 4}, eager, labels, ids, 0).images)
+    assert "torch.compile failed for the diffusion head (Unsupported: no C++ compiler on this node)" in caplog.text
+    assert broken.target.compiled_head is broken.target.head and broken.draft.compiled_head is broken.draft.head

@@ -1,6 +1,6 @@
-"""The compiled decode path of the discrete family (job field ``compile: true``).
+"""The compiled paths of the AR families (job field ``compile: true``).
 
-The discrete models' KV cache is static: ``[rows, max_len]`` slots per layer, slot = sequence
+**Discrete family: the decode step.** The discrete models' KV cache is static: ``[rows, max_len]`` slots per layer, slot = sequence
 position, written at each row's own positions (:class:`~specray.models.discrete_ar.KVCache`). So
 the decode step on every row (:meth:`DiscreteGPT.decode_all_rows`) has fixed shapes and no host
 sync, and ``torch.compile(fullgraph=True)`` captures it whole: one graph per call shape (a
@@ -18,11 +18,21 @@ speculative round's residual ``[p - q]_+`` is a difference of nearly equal laws 
 draft agree, which magnifies last-bit differences, so a residual draw can change. On the fid50k
 job's first 1,024 samples, 0 of 1,024 target_only samples and 2 of 2,048 sd / cool_sd samples
 differed. Hence ``compile`` is part of the job's fingerprint, and eager stays the default.
+
+**Continuous family: the diffusion head.** A continuous token costs a chain of head calls (50
+steps for the presets), and the head is a small MLP whose time on a CPU is mostly per-operation
+dispatch, so the head network is what compiles (:func:`compile_head`): one graph with the number of
+rows symbolic (``dynamic=True``; a single row is a second graph), whatever the window and the
+active rows. The transformer calls stay eager. The head's outputs differ from eager in the last
+bits, so the float tokens do too (~1e-6); the uint8 images written and the acceptance statistics
+are what ``tests/test_compiled.py`` and ``bench/compiled.py`` compare. No CUDA graphs here: the row
+count changes from call to call.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 
@@ -32,6 +42,23 @@ from specray.models.pair import ModelPair
 log = logging.getLogger(__name__)
 
 
+def _eager_on_failure(compiled: Callable, eager: Callable, what: str, give_up: Callable[[], None]) -> Callable:
+    """``compiled``, or ``eager`` from the first call that fails to compile on: a compiler that cannot
+    build ``what`` (no C++ toolchain, an unsupported op on this device) must not fail the shard, and
+    the eager call samples the same law. ``give_up`` switches the model to eager for good."""
+
+    def call(*args: torch.Tensor | list[torch.Tensor]) -> torch.Tensor:
+        try:
+            return compiled(*args)
+        except (torch._dynamo.exc.BackendCompilerFailed, torch._dynamo.exc.Unsupported) as exc:
+            log.warning("torch.compile failed for %s (%s: %s); this model runs eager from now on",
+                        what, type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
+            give_up()
+            return eager(*args)
+
+    return call
+
+
 def compile_gpt(model: DiscreteGPT) -> None:
     """Route ``model``'s all-rows decode steps through ``torch.compile`` (idempotent)."""
     if model.compiled_decode is not None:
@@ -39,19 +66,26 @@ def compile_gpt(model: DiscreteGPT) -> None:
     cuda = model.output.weight.device.type == "cuda"
     compiled = torch.compile(model.decode_all_rows, fullgraph=True, dynamic=False,
                              mode="reduce-overhead" if cuda else None)
+    model.compiled_decode = _eager_on_failure(compiled, model.decode_all_rows, "the decode step",
+                                              lambda: setattr(model, "compiled_decode", model.decode_all_rows))
 
-    def decode(*args: torch.Tensor | list[torch.Tensor]) -> torch.Tensor:
-        try:
-            return compiled(*args)
-        except (torch._dynamo.exc.BackendCompilerFailed, torch._dynamo.exc.Unsupported) as exc:
-            # A compiler that cannot build this step (no C++ toolchain, an unsupported op on this
-            # device) must not fail the shard: the eager step samples the same law.
-            log.warning("torch.compile failed for the decode step (%s: %s); this model runs eager from now on",
-                        type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
-            model.compiled_decode = model.decode_all_rows
-            return model.decode_all_rows(*args)
 
-    model.compiled_decode = decode
+def compile_head(model: torch.nn.Module) -> None:
+    """Route a continuous model's diffusion-head calls (``model.head_net``) through ``torch.compile``
+    (idempotent)."""
+    if model.compiled_head is not None:
+        return
+    net = model.head_net
+    compiled = torch.compile(net.forward, fullgraph=True, dynamic=True)
+
+    def fresh(*args: torch.Tensor) -> torch.Tensor:
+        # Inputs as fresh contiguous tensors: the loop passes views (a timestep expanded from the
+        # schedule's table, slices and reshapes), and torch.compile guards on a view's base and
+        # storage offset, which would make one more graph per kind of view.
+        return compiled(*(a if a._base is None and a.is_contiguous() else a.contiguous().clone() for a in args))
+
+    model.compiled_head = _eager_on_failure(fresh, net, "the diffusion head",
+                                            lambda: setattr(model, "compiled_head", net))
 
 
 def compile_pair(pair: ModelPair) -> None:
@@ -59,3 +93,10 @@ def compile_pair(pair: ModelPair) -> None:
     for model in (pair.target, pair.draft):
         if isinstance(model, DiscreteGPT) and not model.caption_conditioned:
             compile_gpt(model)
+
+
+def compile_continuous_pair(pair: ModelPair) -> None:
+    """Compile the diffusion heads of a continuous pair's models."""
+    for model in (pair.target, pair.draft):
+        if model is not None:
+            compile_head(model)

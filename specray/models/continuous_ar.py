@@ -206,6 +206,8 @@ class ContinuousAR(nn.Module):
         self.blocks = nn.ModuleList(Block(c.dim, c.n_head) for _ in range(c.n_layer))
         self.norm = nn.LayerNorm(c.dim)
         self.head = DiffusionHead(c.token_dim, c.dim, c.head_width, c.head_blocks, c.learn_sigma)
+        # torch.compile of head.forward, set by specray.models.compiled.compile_head (None: eager).
+        self.compiled_head: Any = None
 
     @property
     def null_class(self) -> int:
@@ -275,9 +277,14 @@ class ContinuousAR(nn.Module):
         return self.norm(g)
 
     # head ---------------------------------------------------------------------------------------
+    @property
+    def head_net(self) -> nn.Module:
+        """The per-token network ``(x_t, timestep, z) -> output`` that :meth:`head_output` calls."""
+        return self.head
+
     def head_output(self, x_t: torch.Tensor, timestep: torch.Tensor, z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """ε̂ and the learned-range fraction f = (v+1)/2 (None without learned variance)."""
-        out = self.head(x_t, timestep, z)
+        out = (self.compiled_head or self.head)(x_t, timestep, z)
         d = self.config.token_dim
         if not self.config.learn_sigma:
             return out, None

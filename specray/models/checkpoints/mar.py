@@ -245,6 +245,8 @@ class MARGenerator(nn.Module):
         super().__init__()
         self.config = config
         self.net = MARNet(config)
+        # torch.compile of head_net.forward, set by specray.models.compiled.compile_head (None: eager).
+        self.compiled_head: Any = None
 
     @property
     def null_class(self) -> int:
@@ -260,8 +262,13 @@ class MARGenerator(nn.Module):
         z = self.net(spatial, mask, self.net.class_embedding(labels))
         return torch.gather(z, 1, positions[..., None].expand(-1, -1, z.shape[-1]))
 
+    @property
+    def head_net(self) -> nn.Module:
+        """The DiffLoss net, the per-token network :meth:`head_output` calls."""
+        return self.net.diffloss.net
+
     def head_output(self, x_t: torch.Tensor, timestep: torch.Tensor, z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        out = self.net.diffloss.net(x_t.to(self.net.z_proj.weight.dtype), timestep, z).float()
+        out = (self.compiled_head or self.head_net)(x_t.to(self.net.z_proj.weight.dtype), timestep, z).float()
         d = self.config.token_dim
         return out[..., :d], (out[..., d:] + 1.0) / 2.0
 
