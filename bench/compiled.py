@@ -121,8 +121,9 @@ def main(argv: list[str] | None = None) -> None:
                        "differ": differ, "ratio": ratio,
                        **{f"{k}_s_per_sample": statistics.median(v) for k, v in times.items()}}
                 rows.append(row)
-                print(f"{family:<10} {batch:>5} {method:<12} {compile_s:>9.1f} {row['eager_s_per_sample'] * 1e3:>8.2f}ms "
-                      f"{row['compiled_s_per_sample'] * 1e3:>8.2f}ms {ratio:>6.2f} {differ:>4}/{samples}", flush=True)
+                eager_ms, compiled_ms = (row[f"{k}_s_per_sample"] * 1e3 for k in ("eager", "compiled"))
+                print(f"{family:<10} {batch:>5} {method:<12} {compile_s:>9.1f} {eager_ms:>8.2f}ms {compiled_ms:>8.2f}ms "
+                      f"{ratio:>6.2f} {differ:>4}/{samples}", flush=True)
     if args.json is not None:
         args.json.write_text(json.dumps({"device": str(device), "clock": clock, "rows": rows}, indent=2))
 

@@ -17,7 +17,7 @@ Example::
     num_cpus_per_actor: 1
     num_gpus_per_actor: 0           # fractions allowed: 0.5 puts two actors on a GPU
     max_shard_retries: 3
-    compile: false                  # true: torch.compile the decode steps (discrete_ar), the diffusion head (continuous_ar)
+    compile: false                  # true: torch.compile the AR families' decode steps / diffusion head
     arms:
       - {name: target_only, family: discrete_ar, method: target_only,
          target: digits-gpt-target, draft: digits-gpt-draft}

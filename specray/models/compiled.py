@@ -1,7 +1,8 @@
 """The compiled paths of the AR families (job field ``compile: true``).
 
-**Discrete family: the decode step.** The discrete models' KV cache is static: ``[rows, max_len]`` slots per layer, slot = sequence
-position, written at each row's own positions (:class:`~specray.models.discrete_ar.KVCache`). So
+**Discrete family: the decode step.** The discrete models' KV cache is static: ``[rows, max_len]``
+slots per layer, slot = sequence position, written at each row's own positions
+(:class:`~specray.models.discrete_ar.KVCache`). So
 the decode step on every row (:meth:`DiscreteGPT.decode_all_rows`) has fixed shapes and no host
 sync, and ``torch.compile(fullgraph=True)`` captures it whole: one graph per call shape (a
 decode step, a verify of gamma + 1 tokens, a draft catch-up of 2), compiled on first use. On a
