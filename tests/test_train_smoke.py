@@ -10,6 +10,7 @@ against the official encoder in test_prompts).
 
 import hashlib
 from dataclasses import replace
+from functools import lru_cache
 
 import pytest
 import torch
@@ -30,6 +31,12 @@ class _HashEncoder:
         return TextFeatures(pooled[:, None], torch.ones(len(texts), 1, dtype=torch.bool), pooled)
 
 
+@lru_cache(maxsize=2)
+def _hashed_bank(split):
+    """A split's caption bank with hashed features, built when a text preset first asks (once per split)."""
+    return text_training.CaptionBank(split, encoder=_HashEncoder())
+
+
 @pytest.mark.parametrize(
     "name, module",
     [("digits-mar-draft", "specray.models.continuous_train"), ("digits-ddpm-draft", "specray.models.diffusion_train"),
@@ -44,8 +51,7 @@ def test_trainer_writes_deterministic_fp16_weights(name, module, tmp_path, monke
     short = {"steps": 3, "batch_size": 8, **{k: 1 for k in ("warmup", "warmup_steps") if k in base.train}}
     tiny = replace(base, name=f"{name}-smoke", train={**base.train, **short})
     monkeypatch.setitem(presets.PRESETS, tiny.name, tiny)
-    banks = {split: text_training.CaptionBank(split, encoder=_HashEncoder()) for split in ("train", "heldout")}
-    monkeypatch.setattr(text_training, "caption_bank", banks.__getitem__)
+    monkeypatch.setattr(text_training, "caption_bank", _hashed_bank)
     train_preset = importlib.import_module(module).train_preset
     torch.set_num_threads(1)
     first = train_preset(tiny.name, tmp_path / "a", seed=0)
