@@ -144,7 +144,8 @@ def test_sampler_distributions_and_greedy_tokens(loaded, name):
             chosen.append(probs.argmax(-1))
             fed = (feed[:, t] if feed is not None else chosen[-1])[:, None]
         if feed is not None:
-            close(torch.stack(laws, 1), REF[f"probs_{name}"], 1e-6 if name == "mixed" else 3e-6)
+            # The spec's atol (checkpoints.md): an atol of 1e-6 held on one CPU and was missed by 1.2e-7 on another.
+            close(torch.stack(laws, 1), REF[f"probs_{name}"], 1e-5)
         else:
             assert np.array_equal(torch.stack(chosen, 1).numpy(), REF[f"greedy_{name}"])
 
