@@ -23,7 +23,9 @@ masked as keys. All prefix slots get the zero RoPE rows, as in the official tabl
 The cache is static: ``[rows, max_len]`` slots per layer, slot = sequence
 position. Each row has its own length; a call writes K/V at the rows' own
 positions and each query attends to slots ``<= its position``, so slots left
-stale by a rejected draft are invisible once a later call rewrites them.
+stale by a rejected draft are invisible once a later call rewrites them. On a CPU a call attends
+over the cache's first slots only, rounded up past its last position
+(:func:`attention_span`): the same bits as the whole cache, at the cost of the filled part.
 """
 
 from __future__ import annotations
@@ -43,6 +45,13 @@ from specray.models.pair import ModelPair
 
 PREFIX_ROPE_MODES = ("zeros", "identity")
 CONDITIONS = ("class", "text", "caption")
+# A masked slot adds an exact zero to attention's sums, so a prefix of the cache gives the bits of
+# the whole cache when the CPU kernel sums in the same order over both: its reductions run in vectors
+# of 16 floats plus a scalar tail, and past 256 keys its matrix products block the keys by length, so
+# spans are whole vectors up to 256 slots and whole 512-slot blocks beyond (tests/test_attention_span.py).
+ATTENTION_SPAN_QUANTUM = 16
+ATTENTION_SPAN_BLOCK = 512
+ATTENTION_SPAN_SHORT = 256
 
 
 @dataclass(frozen=True)
@@ -183,12 +192,32 @@ class Attention(nn.Module):
             k_cache, v_cache, read_rows, write_rows, positions = kv
             k_cache[write_rows, positions] = k.to(k_cache.dtype)
             v_cache[write_rows, positions] = v.to(v_cache.dtype)
+            span = mask.shape[-1]  # the mask covers the first `span` slots (attention_span)
+            if span < k_cache.shape[1]:
+                k_cache, v_cache = k_cache[:, :span], v_cache[:, :span]
             k = k_cache if read_rows is None else k_cache[read_rows]
             v = v_cache if read_rows is None else v_cache[read_rows]
         attend = explicit_attention if compiled else F.scaled_dot_product_attention
         out = attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask)
         out = F.linear(out.transpose(1, 2).reshape(r, n, -1), self.wo.weight)
         return self.resid_dropout(out) if self.training else out
+
+
+def attention_span(last_slots: torch.Tensor, max_len: int) -> int:
+    """How many leading cache slots a call whose queries see no slot past ``last_slots`` attends over.
+
+    On a CPU: ``max(last_slots) + 1`` rounded up to a multiple of :data:`ATTENTION_SPAN_QUANTUM`, or
+    of :data:`ATTENTION_SPAN_BLOCK` past :data:`ATTENTION_SPAN_SHORT` (at most ``max_len``); reading
+    the scalar is a host sync, free there. Elsewhere, and while torch.compile captures a step (static
+    shapes, no sync), the whole cache.
+    """
+    if last_slots.device.type != "cpu" or torch.compiler.is_compiling():
+        return max_len
+    needed = int(last_slots.max()) + 1
+    span = -(-needed // ATTENTION_SPAN_QUANTUM) * ATTENTION_SPAN_QUANTUM
+    if span > ATTENTION_SPAN_SHORT:
+        span = -(-needed // ATTENTION_SPAN_BLOCK) * ATTENTION_SPAN_BLOCK
+    return min(max_len, span)
 
 
 def explicit_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor) -> torch.Tensor:
@@ -498,8 +527,8 @@ class DiscreteGPT(nn.Module):
                        compiled: bool = False) -> torch.Tensor:
         """The layers over the cache from the embedded inputs ``h [r, n, D]``; logits ``[r, n, V]`` float32."""
         rope = self._rotary(positions)
-        slots = torch.arange(keys[0].shape[1], device=h.device)
-        mask = (slots[None, None, :] <= positions[:, :, None])[:, None]  # [r, 1, n, S]
+        slots = torch.arange(attention_span(positions, keys[0].shape[1]), device=h.device)
+        mask = (slots[None, None, :] <= positions[:, :, None])[:, None]  # [r, 1, n, span]
         write_rows = (torch.arange(h.shape[0], device=h.device) if rows is None else rows)[:, None]
         for i, layer in enumerate(self.layers):
             h = layer(h, rope, mask, (keys[i], values[i], rows, write_rows, positions), compiled)
@@ -531,9 +560,10 @@ class DiscreteGPT(nn.Module):
             h = tok
         _check_slots("slot", slots, cache.max_len)
         rope = self._rotary(slots)
-        key_slots = torch.arange(cache.max_len, device=tokens.device)
+        span = attention_span(slots, cache.max_len)
+        key_slots = torch.arange(span, device=tokens.device)
         valid = cache.prefix_valid if rows is None else cache.prefix_valid[rows]
-        visible = torch.cat([valid, valid.new_ones(valid.shape[0], cache.max_len - prefix_len)], dim=1)
+        visible = torch.cat([valid, valid.new_ones(valid.shape[0], span - prefix_len)], dim=1)  # span >= prefix_len
         causal = key_slots[None, None, :] <= slots[:, :, None]
         mask = (causal & (visible[:, None, :] | (key_slots[None, None, :] == slots[:, :, None])))[:, None]
         for i, layer in enumerate(self.layers):
