@@ -109,11 +109,17 @@ def test_caption_model_logits_are_the_whole_cache_logits(whole_cache):
         assert torch.equal(with_spans, logits())
 
 
-@pytest.mark.parametrize("method, params", [("target_only", {}), ("sd", {"gamma": 4}),
-                                            ("cool_sd", {"gamma": 3, "delta": 2.0})])
-def test_samples_and_statistics_are_the_whole_cache_ones(whole_cache, method, params):
+@pytest.mark.parametrize("method, params, draft", [
+    ("target_only", {}, "digits-gpt-draft"),
+    ("sd", {"gamma": 4}, "digits-gpt-draft"),
+    ("cool_sd", {"gamma": 3, "delta": 2.0}, "digits-gpt-draft"),
+    ("sd", {"gamma": 4}, "digits-gpt-eagle"),  # the EAGLE head's chain: tree-style masks over the span
+    ("lantern", {"tree": "small"}, "digits-gpt-eagle"),
+    ("sd", {"tree": "eagle25"}, "digits-gpt-eagle"),
+])
+def test_samples_and_statistics_are_the_whole_cache_ones(whole_cache, method, params, draft):
     """The digits presets, 5 samples (rows finish at different rounds, so calls park rows)."""
-    pair = load_pair("digits-gpt-target", "digits-gpt-draft", "cpu")
+    pair = load_pair("digits-gpt-target", draft, "cpu")
     labels, ids = torch.tensor([0, 4, 7, 7, 9]), torch.arange(5) + 11
     with_spans = run_batch(method, params, pair, labels, ids, seed=3)
     whole_cache()

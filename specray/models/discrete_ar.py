@@ -601,6 +601,8 @@ class DiscreteGPT(nn.Module):
         slots, and each sees only the committed prefix and its own ancestors. ``rows`` as in
         :meth:`forward_step`; cache lengths are left alone (the caller knows which slots are
         committed). ``prefix=True`` allows class labels at position 0. Logits: ``self.output(...)``.
+        ``visible`` may cover only the cache's first ``S <= max_len`` slots (attention then reads only
+        those; :func:`attention_span` of the call's slots gives the whole cache's bits on a CPU).
         """
         if rows is None and tokens.shape[0] != cache.rows:
             rows = torch.arange(tokens.shape[0], device=tokens.device)

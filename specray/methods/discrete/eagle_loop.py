@@ -50,7 +50,7 @@ from specray.methods.discrete.tree_rules import (
     verify_tree,
 )
 from specray.methods.discrete.trees import StaticTree, resolve_tree
-from specray.models.discrete_ar import DiscreteGPT, KVCache, kv_slots
+from specray.models.discrete_ar import DiscreteGPT, KVCache, attention_span, kv_slots
 from specray.models.eagle_head import EagleHead, head_logits
 from specray.models.pair import ModelPair
 
@@ -140,9 +140,9 @@ class HeadStream(_Streams):
         return self.process(head_logits(self.target, predicted)), predicted
 
 
-def _causal(positions: torch.Tensor, max_len: int, first: int = 0) -> torch.Tensor:
-    """``visible [r, n, S]``: slot s is seen from position p iff ``first <= s <= p``."""
-    slots, from_first = _slot_ranges(max_len, first, positions.device)
+def _causal(positions: torch.Tensor, span: int, first: int = 0) -> torch.Tensor:
+    """``visible [r, n, span]``: slot s is seen from position p iff ``first <= s <= p``."""
+    slots, from_first = _slot_ranges(span, first, positions.device)
     return from_first & (slots <= positions[:, :, None])
 
 
@@ -160,14 +160,15 @@ def _slot_ranges(max_len: int, first: int, device: torch.device) -> tuple[torch.
 
 
 def _catch_up(head: HeadStream, target: TargetStream, idx: torch.Tensor, n: torch.Tensor, tokens: torch.Tensor,
-              window: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """1. CATCH UP to position ``n``: the first draft's law ``[r, V]`` and the head's prediction there ``[rows, D]``."""
+              window: int, span: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """1. CATCH UP to position ``n``: the first draft's law ``[r, V]`` and the head's prediction there ``[rows, D]``.
+    ``span``: the round's attention span (past ``n``)."""
     # n - window + 1 + arange(window): integer sums, so one add of a cached offset row gives the same positions
     positions = (n[:, None] + _window_offsets(window, n.device)).clamp(min=1)
     fed = tokens.gather(1, positions - 1)  # image token s - 1 is fed at position s
     features = target.read_features(idx, positions - 1)
     q, predicted = head.probs(idx, features, fed, positions, positions,
-                              _causal(positions, head.cache.max_len, first=1))
+                              _causal(positions, span, first=1))
     return q[:, -1], predicted[:, -1]
 
 
@@ -196,7 +197,9 @@ def _chain(method: Method, params: Speculative, pair: ModelPair, labels: torch.T
         if rnd is None:
             break
         u = uniforms.round(it, rnd.idx, rnd.positions[:, :gamma])
-        q, predicted = _catch_up(head, target, rnd.idx, rnd.n, rnd.tokens, gamma + 1)
+        # Every call of the round sees no slot past the verify's last position: one span for all of them.
+        span = attention_span(rnd.positions, max_len)
+        q, predicted = _catch_up(head, target, rnd.idx, rnd.n, rnd.tokens, gamma + 1, span)
         # Per-step columns split off once, the laws and drafts stacked once (fewer ops than indexing).
         later_positions = rnd.positions[:, 1:gamma].split(1, dim=1)
         qs, ds = [], []
@@ -204,14 +207,14 @@ def _chain(method: Method, params: Speculative, pair: ModelPair, labels: torch.T
             if i:
                 positions = later_positions[i - 1]
                 q, out = head.probs(rnd.idx, predicted[:, None], ds[-1], positions, positions,
-                                    _causal(positions, max_len, first=1))
+                                    _causal(positions, span, first=1))
                 q, predicted = q[:, 0], out[:, 0]
             qs.append(q)
             ds.append(rng.sample_categorical_keepdim(q, u_draft))  # [r, 1]: the next step's fed column
         drafts, Q = torch.cat(ds, dim=1), torch.stack(qs, dim=1)
         rnd.tokens.scatter_(1, rnd.positions[:, :gamma], drafts)
         P, hidden = target.probs(rnd.idx, rnd.tokens.gather(1, rnd.fed_positions), rnd.positions, rnd.positions,
-                                 _causal(rnd.positions, max_len))
+                                 _causal(rnd.positions, span))
         target.keep_features(rnd.idx, rnd.positions, hidden)
         n_acc, next_token = _decide(verifier, rnd, P, Q, drafts, u[:, :, 1], u[:, 0, 2])
         _commit_tokens(rnd.idx, rnd.full, rnd.n, n_acc, next_token, rnd.tokens, tokens, committed)
@@ -227,7 +230,8 @@ def _prefill(target: TargetStream, labels: torch.Tensor, sample_ids: torch.Tenso
     batch = labels.shape[0]
     idx = torch.arange(batch, device=labels.device)
     zero = torch.zeros(batch, 1, dtype=torch.int64, device=labels.device)
-    probs0, hidden = target.probs(idx, labels[:, None], zero, zero, _causal(zero, target.cache.max_len), prefix=True)
+    visible = _causal(zero, attention_span(zero, target.cache.max_len))
+    probs0, hidden = target.probs(idx, labels[:, None], zero, zero, visible, prefix=True)
     target.keep_features(idx, zero, hidden)
     tokens[:, 0] = rng.categorical(probs0[:, 0], seed, sample_ids, "target", position=0)
     return torch.ones(batch, dtype=torch.int64, device=labels.device)
@@ -308,18 +312,19 @@ class _TreePlan:
         return (draft[rows, node_positions, self.rank], accept[rows, node_positions, self.rank],
                 residual.gather(1, n[:, None])[:, 0])
 
-    def visible(self, n: torch.Tensor, nodes: torch.Tensor, max_len: int, first: int) -> torch.Tensor:
-        """``visible [r, len(nodes), S]``: committed slots ``first .. n - 1`` and the nodes' own root path."""
+    def visible(self, n: torch.Tensor, nodes: torch.Tensor, span: int, first: int) -> torch.Tensor:
+        """``visible [r, len(nodes), span]``: committed slots ``first .. n - 1`` and the nodes' own root path
+        (``span`` must cover every tree slot, ``n + N``)."""
         r = n.shape[0]
-        if (max_len, first) not in self._slot_masks:
-            slots = torch.arange(max_len, device=n.device)
-            self._slot_masks[max_len, first] = slots, slots >= first
-        slots, from_first = self._slot_masks[max_len, first]
+        if (span, first) not in self._slot_masks:
+            slots = torch.arange(span, device=n.device)
+            self._slot_masks[span, first] = slots, slots >= first
+        slots, from_first = self._slot_masks[span, first]
         entry = self._on_path.get(id(nodes))
         if entry is None or entry[0] is not nodes:  # keeps `nodes` alive, so its id is not reused
             entry = self._on_path[id(nodes)] = nodes, self.index.visible[nodes]
         n_col = n[:, None]
-        committed = (from_first & (slots < n_col))[:, None, :].expand(r, nodes.shape[0], max_len)
+        committed = (from_first & (slots < n_col))[:, None, :].expand(r, nodes.shape[0], span)
         tree_slots = (n_col + self.tree_slot_ids)[:, None, :]
         on_path = entry[1][None].expand(r, -1, -1)
         return committed.clone().scatter_(2, tree_slots.expand(-1, nodes.shape[0], -1), on_path)
@@ -383,7 +388,9 @@ def _tree(params: Speculative, pair: ModelPair, labels: torch.Tensor, sample_ids
         node_valid[:, 0] = True
         Q = torch.zeros(r, index.internal.shape[0], vocab, dtype=torch.float32, device=device)
         predicted = torch.zeros(2 * r if head.guided else r, nodes, target_model.config.dim, device=device)
-        q, predicted[:, 0] = _catch_up(head, target, idx, n, row_tokens, depth + 1)
+        slots = n[:, None] + node_ids
+        span = attention_span(slots, max_len)  # every call of the round: the whole tree's slots
+        q, predicted[:, 0] = _catch_up(head, target, idx, n, row_tokens, depth + 1, span)
         Q[:, 0] = q
         u_draft = torch.cat([u_draft, u_draft[:, :1]], 1)  # draw_children's spare column
         plan.draw_children(0, q[:, None], u_draft, node_tokens, node_valid)
@@ -391,7 +398,7 @@ def _tree(params: Speculative, pair: ModelPair, labels: torch.Tensor, sample_ids
             level, internal, parents, _ = plan.levels[t]
             positions = (n + t)[:, None].expand(r, level.shape[0])
             q, out = head.probs(idx, predicted[:, parents], node_tokens[:, level], positions, n[:, None] + level,
-                                plan.visible(n, level, max_len, first=1))
+                                plan.visible(n, level, span, first=1))
             predicted[:, level] = out
             Q[:, internal] = q
             plan.draw_children(t, q, u_draft, node_tokens, node_valid)
@@ -399,8 +406,7 @@ def _tree(params: Speculative, pair: ModelPair, labels: torch.Tensor, sample_ids
 
         # 3-4. VERIFY the whole tree in one target call, DECIDE depth by depth.
         fed = torch.cat([row_tokens.gather(1, (n - 1)[:, None]), node_tokens[:, 1:]], dim=1)
-        slots = n[:, None] + node_ids
-        P, hidden = target.probs(idx, fed, n[:, None] + index.depths, slots, plan.visible(n, node_ids, max_len, first=0))
+        P, hidden = target.probs(idx, fed, n[:, None] + index.depths, slots, plan.visible(n, node_ids, span, first=0))
         verifiable = node_valid & (index.depths[None] <= (num_tokens - 1 - n)[:, None])  # room left in the image
         out = verify_tree(params.rule, index, P, Q, node_tokens, verifiable, u_accept, u_residual, rule_params)
 
