@@ -21,7 +21,8 @@ sampling with CFG 1.5) it reports:
   arms' calls are counted the same way: ``target_f`` is a target call that also returns hidden
   states (prefill 1 token, chain verify gamma+1, tree verify: the tree's nodes + 1, with its tree
   mask), ``head`` an EAGLE-head call (the round's catch-up over depth + 1 positions, then one token per
-  chain step, or one tree level's internal nodes). Every shape used is timed in the same run, a few
+  chain step, or one tree level's internal nodes). Every shape used is timed in the same run (at four
+  positions spread over the image: attention's cost grows with the filled cache on a CPU), a few
   shapes before each arm's batch, so that the timings see the load the runs see (calls on fewer rows
   at a grid of row counts, linear in between), and predicted time = sum over calls of the cost of
   the call's shape;
@@ -75,7 +76,7 @@ from bench.pricing import (  # noqa: E402
 from specray.methods.discrete.eagle_loop import HeadStream, TargetStream  # noqa: E402
 from specray.methods.discrete.loop import GuidedModel, run_batch  # noqa: E402
 from specray.methods.discrete.params import SD  # noqa: E402
-from specray.models.discrete_ar import load_pair  # noqa: E402
+from specray.models.discrete_ar import attention_span, load_pair  # noqa: E402
 from specray.models.pair import ModelPair  # noqa: E402
 
 TARGET, DRAFT, HEAD = "digits-gpt-target", "digits-gpt-draft", "digits-gpt-eagle"
@@ -200,34 +201,43 @@ def shapes_to_time(counts: list[CallCounts], batch: int) -> list[str]:
 
 def _call_of_shape(role: str, n: int, rows: int, batch: int, pairs: dict[str, ModelPair], gamma: int,
                    gen: torch.Generator) -> Any:
-    """A zero-argument function making one call of shape (role, n tokens per row, rows) as the loops make it.
+    """A zero-argument function making :data:`SPREAD` calls of shape (role, n tokens per row, rows) as the
+    loops make it, one at each of :data:`SPREAD` positions spread evenly over the image: on a CPU a GPT
+    call attends over the cache's filled prefix only (:func:`~specray.models.discrete_ar.attention_span`),
+    so its cost grows with its position, and the loops make their calls all over the image.
 
-    The cache length is the loop's (attention spans it): target_only's for 1-token target calls (all
-    but one prefill call per speculative batch), the speculative loop's (room for a padded verify)
-    otherwise; for the head arms' calls, the prefix plus the call's tokens (a tree verify's nodes).
+    The cache length is the loop's: target_only's for 1-token target calls (all but one prefill call
+    per speculative batch), the speculative loop's (room for a padded verify) otherwise; for the head
+    arms' calls, the prefix plus the call's tokens (a tree verify's nodes).
     """
     sampling = SD()
     gpt = pairs[DRAFT]
     device = gpt.device
-    mid = gpt.target.config.num_image_tokens // 2
+    num_tokens = gpt.target.config.num_image_tokens
     idx = torch.arange(rows, device=device)
     tok = torch.randint(0, gpt.target.config.vocab_size, (rows, n), generator=gen).to(device)
-    pos = (mid + torch.arange(n, device=device)).expand(rows, n).contiguous()
+    spread = [((2 * k + 1) * num_tokens // (2 * SPREAD) + torch.arange(n, device=device)).expand(rows, n).contiguous()
+              for k in range(SPREAD)]
     if role in ("target", "draft"):
         model = gpt.target if role == "target" else gpt.draft
         max_len = gpt.target.max_seq_len + (0 if (role, n) == ("target", 1) else gamma + 1)
         stream = GuidedModel(model, batch, sampling, max_len)
         full = rows == batch
-        return lambda: stream.forward(idx, tok, pos, all_rows=full, prefix=False)
+        return lambda: [stream.forward(idx, tok, pos, all_rows=full, prefix=False) for pos in spread]
     head_pair = pairs[HEAD]
     max_len = head_pair.target.max_seq_len + n + 1
-    visible = torch.arange(max_len, device=device) <= pos[:, :, None]  # a tree mask costs the same
+    # a tree mask costs the same; on a CPU over the call's own attention span, as in the loops
+    visible = [torch.arange(attention_span(pos, max_len), device=device) <= pos[:, :, None] for pos in spread]
     if role == "target_f":
         target = TargetStream(head_pair.target, batch, sampling, max_len)
-        return lambda: target.probs(idx, tok, pos, pos, visible)
+        return lambda: [target.probs(idx, tok, pos, pos, vis) for pos, vis in zip(spread, visible)]
     head = HeadStream(head_pair.draft, head_pair.target, batch, sampling, max_len)
     features = torch.randn(head.cache_rows(idx).shape[0], n, head_pair.target.config.dim, generator=gen).to(device)
-    return lambda: head.probs(idx, features, tok, pos, pos, visible)
+    return lambda: [head.probs(idx, features, tok, pos, pos, vis) for pos, vis in zip(spread, visible)]
+
+
+# Positions each call shape is timed at (:func:`_call_of_shape`); a shape's cost is its timing / SPREAD.
+SPREAD = 4
 
 
 def cost_timer(pairs: dict[str, ModelPair], batch: int, gamma: int, shapes: list[str]) -> InterleavedTimer:
@@ -263,7 +273,7 @@ def bench_batch(pairs: dict[str, ModelPair], batch: int, samples: int, reps: int
         lambda: timer.step(per_turn), MODEL_CALLS if split else None)
     times = {name: per_repetition(r, len(work)) for name, r in runs.items()}
     loop_times = {name: per_repetition(r, len(work)) for name, r in outside.items()}
-    costs = timer.costs()
+    costs = {clock: {key: s / SPREAD for key, s in by_key.items()} for clock, by_key in timer.costs().items()}
 
     base_name = arms[0][0]
     results = []
