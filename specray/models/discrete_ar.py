@@ -203,17 +203,19 @@ class Attention(nn.Module):
         return self.resid_dropout(out) if self.training else out
 
 
-def attention_span(last_slots: torch.Tensor, max_len: int) -> int:
-    """How many leading cache slots a call whose queries see no slot past ``last_slots`` attends over.
+def attention_span(last_slots: torch.Tensor, max_len: int, what: str = "slot") -> int:
+    """How many leading cache slots a call whose queries see no slot past ``last_slots`` attends over
+    (refusing, as :func:`_check_slots`, slots past the cache; ``what`` names them in the error).
 
     On a CPU: ``max(last_slots) + 1`` rounded up to a multiple of :data:`ATTENTION_SPAN_QUANTUM`, or
     of :data:`ATTENTION_SPAN_BLOCK` past :data:`ATTENTION_SPAN_SHORT` (at most ``max_len``); reading
     the scalar is a host sync, free there. Elsewhere, and while torch.compile captures a step (static
     shapes, no sync), the whole cache.
     """
-    if last_slots.device.type != "cpu" or torch.compiler.is_compiling():
+    last = None if torch.compiler.is_compiling() else _check_slots(what, last_slots, max_len)
+    if last is None:
         return max_len
-    needed = int(last_slots.max()) + 1
+    needed = last + 1
     span = -(-needed // ATTENTION_SPAN_QUANTUM) * ATTENTION_SPAN_QUANTUM
     if span > ATTENTION_SPAN_SHORT:
         span = -(-needed // ATTENTION_SPAN_BLOCK) * ATTENTION_SPAN_BLOCK
@@ -323,11 +325,16 @@ def kv_slots(*leading: int, max_len: int, n_head: int, head_dim: int, like: torc
     return storage.transpose(-3, -2)
 
 
-def _check_slots(what: str, slots: torch.Tensor, max_len: int) -> None:
-    """Refuse slots past the cache. On CPU only: on an accelerator reading the maximum would be a
-    host sync per call, and an out-of-range index raises there anyway (a device-side assert)."""
-    if slots.device.type == "cpu" and int(slots.max()) >= max_len:
-        raise ValueError(f"{what} {int(slots.max())} exceeds cache max_len={max_len}")
+def _check_slots(what: str, slots: torch.Tensor, max_len: int) -> int | None:
+    """Refuse slots past the cache; the largest slot, or None off the CPU. On CPU only: on an
+    accelerator reading the maximum would be a host sync per call, and an out-of-range index raises
+    there anyway (a device-side assert)."""
+    if slots.device.type != "cpu":
+        return None
+    last = int(slots.max())
+    if last >= max_len:
+        raise ValueError(f"{what} {last} exceeds cache max_len={max_len}")
+    return last
 
 
 @dataclass
@@ -504,8 +511,7 @@ class DiscreteGPT(nn.Module):
         if rows is None and prefix is False and self.compiled_decode is not None:
             # The loops only feed positions inside the cache; the compiled step skips the check's host sync.
             return self.compiled_decode(tokens, positions, cache.keys, cache.values, cache.lengths)
-        _check_slots("position", positions, cache.max_len)
-        if rows is None and prefix is False:
+        if rows is None and prefix is False:  # the layers check the positions (attention_span)
             return self.decode_all_rows(tokens, positions, cache.keys, cache.values, cache.lengths)
         return self._cached_layers(self._embed(tokens, positions) if prefix is not False else self._embed_image(tokens),
                                    positions, cache.keys, cache.values, cache.lengths, rows)
@@ -526,8 +532,9 @@ class DiscreteGPT(nn.Module):
                        values: list[torch.Tensor], lengths: torch.Tensor, rows: torch.Tensor | None,
                        compiled: bool = False) -> torch.Tensor:
         """The layers over the cache from the embedded inputs ``h [r, n, D]``; logits ``[r, n, V]`` float32."""
+        span = attention_span(positions, keys[0].shape[1], "position")  # refuses positions past the cache
         rope = self._rotary(positions)
-        slots = torch.arange(attention_span(positions, keys[0].shape[1]), device=h.device)
+        slots = torch.arange(span, device=h.device)
         mask = (slots[None, None, :] <= positions[:, :, None])[:, None]  # [r, 1, n, span]
         write_rows = (torch.arange(h.shape[0], device=h.device) if rows is None else rows)[:, None]
         for i, layer in enumerate(self.layers):
@@ -558,9 +565,8 @@ class DiscreteGPT(nn.Module):
             slots = torch.cat([prefix_slots, slots[:, 1:]], dim=1)
         else:
             h = tok
-        _check_slots("slot", slots, cache.max_len)
+        span = attention_span(slots, cache.max_len)  # refuses slots past the cache
         rope = self._rotary(slots)
-        span = attention_span(slots, cache.max_len)
         key_slots = torch.arange(span, device=tokens.device)
         valid = cache.prefix_valid if rows is None else cache.prefix_valid[rows]
         visible = torch.cat([valid, valid.new_ones(valid.shape[0], span - prefix_len)], dim=1)  # span >= prefix_len
