@@ -9,6 +9,8 @@ must not grow with the sample count: compare ``--per-class 500`` with ``--per-cl
     nohup python bench/scale.py --per-class 5000 --output /tmp/specray-scale-50k > scale50k.log 2>&1 &
 
 A rerun on the same output resumes (skips committed shards); use a fresh output to time a run.
+``--batch-size`` / ``--shard-batches`` override the job's (compare batch sizes on the same samples:
+``--batch-size 64 --shard-batches 8`` keeps 512 samples per shard, as the job's 128 x 4 does).
 """
 
 from __future__ import annotations
@@ -57,6 +59,8 @@ def main() -> None:
     parser.add_argument("--per-class", type=int, default=500)
     parser.add_argument("--output", default="/tmp/specray-scale")
     parser.add_argument("--job", default=str(ROOT / "jobs" / "fid50k.yaml"))
+    parser.add_argument("--batch-size", type=int, default=None, help="override the job's batch_size")
+    parser.add_argument("--shard-batches", type=int, default=None, help="override the job's shard_batches")
     parser.add_argument("--num-cpus", type=int, default=None, help="CPUs of the local Ray (default: all)")
     parser.add_argument("--json", help="also write the numbers here")
     args = parser.parse_args()
@@ -68,7 +72,8 @@ def main() -> None:
     from specray.spec import load_job
 
     gpus = {} if torch.cuda.is_available() else {"num_gpus_per_actor": 0}  # the job asks for GPUs; run on CPUs here
-    spec = load_job(args.job, per_class=args.per_class, output=args.output, **gpus)
+    spec = load_job(args.job, per_class=args.per_class, output=args.output, batch_size=args.batch_size,
+                    shard_batches=args.shard_batches, **gpus)
     rss_before = current_rss_mb()
     sampler = RssSampler()
     sampler.start()
