@@ -199,6 +199,10 @@ def shapes_to_time(counts: list[CallCounts], batch: int) -> list[str]:
     return out
 
 
+# Positions each call shape is timed at (:func:`_call_of_shape`); a shape's cost is its timing / SPREAD.
+SPREAD = 4
+
+
 def _call_of_shape(role: str, n: int, rows: int, batch: int, pairs: dict[str, ModelPair], gamma: int,
                    gen: torch.Generator) -> Any:
     """A zero-argument function making :data:`SPREAD` calls of shape (role, n tokens per row, rows) as the
@@ -234,10 +238,6 @@ def _call_of_shape(role: str, n: int, rows: int, batch: int, pairs: dict[str, Mo
     head = HeadStream(head_pair.draft, head_pair.target, batch, sampling, max_len)
     features = torch.randn(head.cache_rows(idx).shape[0], n, head_pair.target.config.dim, generator=gen).to(device)
     return lambda: [head.probs(idx, features, tok, pos, pos, vis) for pos, vis in zip(spread, visible)]
-
-
-# Positions each call shape is timed at (:func:`_call_of_shape`); a shape's cost is its timing / SPREAD.
-SPREAD = 4
 
 
 def cost_timer(pairs: dict[str, ModelPair], batch: int, gamma: int, shapes: list[str]) -> InterleavedTimer:

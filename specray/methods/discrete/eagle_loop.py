@@ -153,9 +153,9 @@ def _window_offsets(window: int, device: torch.device) -> torch.Tensor:
 
 
 @functools.lru_cache(maxsize=32)
-def _slot_ranges(max_len: int, first: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """``arange(max_len)`` and ``arange(max_len) >= first``, built once (two ops fewer per call); read-only."""
-    slots = torch.arange(max_len, device=device)
+def _slot_ranges(span: int, first: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``arange(span)`` and ``arange(span) >= first``, built once (two ops fewer per call); read-only."""
+    slots = torch.arange(span, device=device)
     return slots, slots >= first
 
 
@@ -292,7 +292,6 @@ class _TreePlan:
         self.chunks: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
         # visible()'s round-independent parts, built once (a few ops fewer per head and verify call)
         self.tree_slot_ids = torch.arange(self.spare, device=device)
-        self._slot_masks: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self._on_path: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(nodes) -> (nodes, rows of visible)
 
     def uniforms(self, step: int, idx: torch.Tensor, n: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -316,10 +315,7 @@ class _TreePlan:
         """``visible [r, len(nodes), span]``: committed slots ``first .. n - 1`` and the nodes' own root path
         (``span`` must cover every tree slot, ``n + N``)."""
         r = n.shape[0]
-        if (span, first) not in self._slot_masks:
-            slots = torch.arange(span, device=n.device)
-            self._slot_masks[span, first] = slots, slots >= first
-        slots, from_first = self._slot_masks[span, first]
+        slots, from_first = _slot_ranges(span, first, n.device)
         entry = self._on_path.get(id(nodes))
         if entry is None or entry[0] is not nodes:  # keeps `nodes` alive, so its id is not reused
             entry = self._on_path[id(nodes)] = nodes, self.index.visible[nodes]
