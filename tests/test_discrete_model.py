@@ -9,8 +9,20 @@ import torch
 
 from specray.methods.discrete.loop import GuidedModel, sequence_tokens
 from specray.methods.discrete.processing import SamplingParams, process_logits, top_k_mask, top_p_mask
+from specray.models import discrete_ar
 from specray.models.digits import load_digits_split, to_uint8_pixels
-from specray.models.discrete_ar import DiscreteGPT, GPTConfig, flops_per_token, load_model, load_pair
+from specray.models.discrete_ar import (
+    PAIR_SWAP_BY_SLICES,
+    DiscreteGPT,
+    GPTConfig,
+    apply_rotary,
+    apply_rotary_factors,
+    cache_write_index,
+    flops_per_token,
+    load_model,
+    load_pair,
+    rotary_factors,
+)
 from specray.models.discrete_train import TrainConfig, heldout_nll, save_model, train_model
 from specray.models.presets import get_preset
 from specray.models.tokenizers import to_images
@@ -81,6 +93,44 @@ def test_incremental_cache_matches_full_forward(prefix_rope):
             incremental = torch.cat(pieces, dim=1)
             assert incremental.dtype == torch.float32
             assert (incremental - full).abs().max().item() < TOL
+
+
+def test_rotary_pair_swap_by_slices_and_by_gather_give_the_reference_bits():
+    """Both pair swaps of apply_rotary_factors, on either side of PAIR_SWAP_BY_SLICES, equal apply_rotary."""
+    g = torch.Generator().manual_seed(3)
+    swap = torch.arange(16).view(-1, 2).flip(-1).reshape(-1)
+    for rows in (2, PAIR_SWAP_BY_SLICES // (5 * 8 * 16) + 1):  # below the threshold, then above it
+        x = torch.randn(rows, 5, 8, 16, generator=g)
+        rope = torch.randn(rows, 5, 8, 2, generator=g)
+        reference = apply_rotary(x, rope)
+        assert torch.equal(apply_rotary_factors(x, rotary_factors(rope), swap), reference)
+        assert torch.equal(apply_rotary_factors(x, rotary_factors(rope)), reference)  # no index: slices
+
+
+def test_uniform_positions_write_the_cache_through_slices_with_the_same_results(monkeypatch):
+    model = tiny_model()
+    labels, tokens = random_tokens(4, seed=5)
+    uniform = torch.arange(1, 4).expand(4, -1)
+    ragged = torch.stack([torch.arange(n, n + 3) for n in (1, 1, 2, 1)])
+    assert cache_write_index(uniform, None) == (slice(None), slice(1, 4))
+    rows, slots = cache_write_index(ragged, None)
+    assert torch.equal(rows, torch.arange(4)[:, None]) and slots is ragged
+    assert isinstance(cache_write_index(uniform, torch.arange(4))[0], torch.Tensor)  # a subset of rows: indexed
+
+    def run() -> tuple[torch.Tensor, object]:
+        cache = model.new_cache(4)
+        model.prefill(labels, cache)
+        return model.forward_step(sequence_tokens(labels, tokens, uniform), uniform, cache), cache
+
+    with torch.no_grad():
+        sliced, sliced_cache = run()
+        monkeypatch.setattr(discrete_ar, "cache_write_index",
+                            lambda positions, rows: (torch.arange(positions.shape[0])[:, None], positions))
+        indexed, indexed_cache = run()
+    assert torch.equal(sliced, indexed)
+    for a, b in zip(sliced_cache.keys + sliced_cache.values, indexed_cache.keys + indexed_cache.values):
+        assert torch.equal(a, b)
+    assert torch.equal(sliced_cache.lengths, indexed_cache.lengths)
 
 
 def test_layout_mirrors_llamagen_keys():

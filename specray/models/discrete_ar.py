@@ -45,6 +45,10 @@ from specray.models.pair import ModelPair
 
 PREFIX_ROPE_MODES = ("zeros", "identity")
 CONDITIONS = ("class", "text", "caption")
+# Rotary pair swap (the same values either way): from this many elements on, one cat of the pairs'
+# two halves beats index_select's per-element gather; below, the gather's lower fixed cost wins
+# (2-core CPU, 8 heads of q and k of 16: 4.5 against 10 µs at 2 rows, 330 against 80 µs at 256 rows x 5 tokens).
+PAIR_SWAP_BY_SLICES = 8192
 # A masked slot adds an exact zero to attention's sums, so a prefix of the cache gives the bits of
 # the whole cache when the CPU kernel sums in the same order over both: its reductions run in vectors
 # of 16 floats plus a scalar tail, and past 256 keys its matrix products block the keys by length, so
@@ -176,8 +180,9 @@ class Attention(nn.Module):
         """``x [R, n, D]``; ``rope`` = :func:`rotary_factors`; ``mask [R, 1, n, S]`` bool (True = may attend).
 
         ``kv`` = (k_cache, v_cache, read_rows, write_rows, positions): cache tensors
-        ``[R_all, S, H, hd]`` written at ``[write_rows [R, 1], positions [R, n]]`` and then read
-        for ``read_rows`` (None: all cache rows in order, read without a gather copy).
+        ``[R_all, S, H, hd]`` written at ``[write_rows [R, 1], positions [R, n]]`` (or at two slices,
+        see :func:`cache_write_index`) and then read for ``read_rows`` (None: all cache rows in order,
+        read without a gather copy).
         Without it, attention runs over the ``n`` given positions only. ``compiled``: the graph is
         being captured by torch.compile, which fuses :func:`explicit_attention` into a few loops.
         """
@@ -220,6 +225,24 @@ def attention_span(last_slots: torch.Tensor, max_len: int, what: str = "slot") -
     if span > ATTENTION_SPAN_SHORT:
         span = -(-needed // ATTENTION_SPAN_BLOCK) * ATTENTION_SPAN_BLOCK
     return min(max_len, span)
+
+
+def cache_write_index(positions: torch.Tensor, rows: torch.Tensor | None) -> tuple[Any, Any]:
+    """Where a call writes its K/V: ``[rows, positions]`` as index tensors (rows default to all).
+
+    When every cache row is written at the same slots (target_only's steps, the first rounds), on a
+    CPU, the two slices ``[:, p:p + n]`` instead: a strided copy, about 2.5x cheaper than the indexed
+    write (~1.5 ms of a 25 ms call at 256 rows), with the same values written. Reading the first
+    positions is a host sync, free on a CPU; elsewhere, and while torch.compile captures a step,
+    the index tensors.
+    """
+    if rows is None and positions.device.type == "cpu" and not torch.compiler.is_compiling():
+        first = positions[:, 0]
+        start = int(first.min())
+        if start == int(first.max()):  # a row's positions are consecutive: equal starts, equal slots
+            return slice(None), slice(start, start + positions.shape[1])
+    write_rows = torch.arange(positions.shape[0], device=positions.device) if rows is None else rows
+    return write_rows[:, None], positions
 
 
 def explicit_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor) -> torch.Tensor:
@@ -305,13 +328,15 @@ def apply_rotary_factors(x: torch.Tensor, factors: tuple[torch.Tensor, torch.Ten
                          pair_swap: torch.Tensor | None = None) -> torch.Tensor:
     """:func:`apply_rotary` in fewer ops, bit for bit: ``x0 c + x1 (-s) == x0 c - x1 s`` in IEEE arithmetic.
 
-    ``pair_swap`` (optional) is the index ``[1, 0, 3, 2, ...]`` over ``hd`` that swaps each pair.
+    ``pair_swap`` (optional) is the index ``[1, 0, 3, 2, ...]`` over ``hd`` that swaps each pair:
+    on inputs below :data:`PAIR_SWAP_BY_SLICES` elements, gathering by it is the cheaper swap.
     """
     cos, sin = factors
     if x.dtype != torch.float32:
         return apply_rotary_factors(x.float(), factors, pair_swap).type_as(x)
-    if pair_swap is None:
-        swapped = x.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)  # (x1, x0) per pair
+    if pair_swap is None or x.numel() >= PAIR_SWAP_BY_SLICES:
+        pairs = x.unflatten(-1, (-1, 2))
+        swapped = torch.cat([pairs[..., 1:], pairs[..., :1]], dim=-1).flatten(-2)  # (x1, x0) per pair
     else:
         swapped = x.index_select(-1, pair_swap)
     return x * cos + swapped * sin
@@ -536,9 +561,9 @@ class DiscreteGPT(nn.Module):
         rope = self._rotary(positions)
         slots = torch.arange(span, device=h.device)
         mask = (slots[None, None, :] <= positions[:, :, None])[:, None]  # [r, 1, n, span]
-        write_rows = (torch.arange(h.shape[0], device=h.device) if rows is None else rows)[:, None]
+        write_rows, write_slots = cache_write_index(positions, rows)
         for i, layer in enumerate(self.layers):
-            h = layer(h, rope, mask, (keys[i], values[i], rows, write_rows, positions), compiled)
+            h = layer(h, rope, mask, (keys[i], values[i], rows, write_rows, write_slots), compiled)
         if rows is None:
             lengths.copy_(positions[:, -1] + 1)
         else:
