@@ -227,7 +227,8 @@ def attention_span(last_slots: torch.Tensor, max_len: int, what: str = "slot") -
     return min(max_len, span)
 
 
-def cache_write_index(positions: torch.Tensor, rows: torch.Tensor | None) -> tuple[Any, Any]:
+def cache_write_index(positions: torch.Tensor,
+                      rows: torch.Tensor | None) -> tuple[torch.Tensor | slice, torch.Tensor | slice]:
     """Where a call writes its K/V: ``[rows, positions]`` as index tensors (rows default to all).
 
     When every cache row is written at the same slots (target_only's steps, the first rounds), on a
