@@ -238,9 +238,9 @@ def cache_write_index(positions: torch.Tensor,
     the index tensors.
     """
     if rows is None and positions.device.type == "cpu" and not torch.compiler.is_compiling():
-        first = positions[:, 0]
-        start = int(first.min())
-        if start == int(first.max()):  # a row's positions are consecutive: equal starts, equal slots
+        lo, hi = torch.aminmax(positions[:, 0])  # one reduction for both ends
+        start = int(lo)
+        if start == int(hi):  # a row's positions are consecutive: equal starts, equal slots
             return slice(None), slice(start, start + positions.shape[1])
     write_rows = torch.arange(positions.shape[0], device=positions.device) if rows is None else rows
     return write_rows[:, None], positions
