@@ -206,13 +206,19 @@ def sample_categorical(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 def sample_categorical_keepdim(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """:func:`sample_categorical` with uniforms ``u[..., 1]`` and draws ``[..., 1]`` (the same values;
     a loop that feeds each draw back as a column saves the reshaping ops)."""
-    # cumsum(dtype=float64) converts first, as probs.to(float64).cumsum would; one op fewer. The
-    # cdf and target are fresh, hence contiguous, as searchsorted needs.
-    cdf = torch.cumsum(probs, dim=-1, dtype=torch.float64)
+    # cumsum(dtype=float64) converts first, as probs.to(float64).cumsum would; one op fewer.
+    return sample_from_cdf(torch.cumsum(probs, dim=-1, dtype=torch.float64), u)
+
+
+def sample_from_cdf(cdf: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """:func:`sample_categorical_keepdim` given the float64 running sums ``cdf[..., V]`` of ``probs``
+    (a caller that also needs the total mass ``cdf[..., -1]`` computes them once). An all-zero row
+    gives ``V - 1``."""
     if u.dtype != torch.float64:
         u = u.to(torch.float64)
+    # The cdf and target are fresh, hence contiguous, as searchsorted needs.
     idx = torch.searchsorted(cdf, u * cdf[..., -1:], right=True)
-    return idx.clamp_(max=probs.shape[-1] - 1)
+    return idx.clamp_(max=cdf.shape[-1] - 1)
 
 
 def categorical(

@@ -157,7 +157,7 @@ def test_tree_forward_gives_each_node_its_path_law():
     tokens = torch.cat([prefix[:, -1:], nodes[:, 1:]], 1)
     P, _ = tree_stream.probs(torch.arange(1), tokens, n + index.depths[None], n + ids[None],
                              _TreePlan(tree, torch.device("cpu"), 0, torch.zeros(1, dtype=torch.int64), 8)
-                             .visible(torch.tensor([n]), ids, 40, first=0))
+                             .visible(torch.tensor([n]), 40))
     for node in range(tree.num_nodes + 1):
         path = [0] + tree.ancestors(node)[::-1]
         path_tokens = tokens[:, path]

@@ -19,8 +19,9 @@ from specray.methods.discrete.lantern import (
     neighbours_from_embeddings,
     relaxed_target_mass_all_tokens,
 )
-from specray.methods.discrete.rules import RuleParams, cool_sd_omegas, verify
+from specray.methods.discrete.rules import RuleParams, cool_sd_omegas, normalise, verify
 from specray.methods.discrete.tree_rules import (
+    node_tables,
     tree_index,
     verify_tree,
     verify_tree_with_details,
@@ -223,6 +224,55 @@ def test_kernel_reads_only_the_nodes_on_its_walk():
     again = verify_tree("cool_sd", index, P2, Q2, scrambled, valid, u2, u_res, RuleParams(delta=2.0))
     assert off.any()
     assert torch.equal(out.path, again.path) and torch.equal(out.next_token, again.next_token)
+
+
+def _walk_by_hand(tree: StaticTree, pass_probs: np.ndarray, u: np.ndarray, internal_of: dict) -> tuple[list, int]:
+    """The walk of one row, step by step: at each node try the children in order, descend to the first that
+    passes (u < its pass probability); stop where none passes. Returns the accepted nodes and where it
+    stopped (-1 at a leaf)."""
+    node, path = 0, []
+    while tree.children[node]:
+        i = internal_of[node]
+        passing = [c for j, c in enumerate(tree.children[node]) if u[c] < pass_probs[i, j]]
+        if not passing:
+            return path, i
+        node = passing[0]
+        path.append(node)
+    return path, -1
+
+
+@pytest.mark.parametrize("tree_name", ["small", "eagle25", "toys"])
+def test_walk_matches_a_walk_by_hand(tree_name):
+    # 512 rows per tree, seed 21, uniforms drawn near the pass probabilities so that many nodes have several
+    # passing children (first versus any other matters) and many rows stop early; every row must agree exactly.
+    gen = np.random.default_rng(21)
+    toys = TREES[:8] if tree_name == "toys" else [ToyTree(NAMED_TREES[tree_name], random_chain(
+        gen, vocab=5, gamma=NAMED_TREES[tree_name].depth, zero_prob=0.3))]
+    several = stops = 0
+    for toy in toys:
+        tree, nodes = toy.tree, toy.tree.num_nodes + 1
+        index = tree_index(tree, torch.device("cpu"))
+        internal_of = {v: i for i, v in enumerate(tree.internal)}
+        tokens = gen.integers(0, toy.vocab, size=(512, nodes))
+        valid = torch.from_numpy(gen.random((512, nodes)) < 0.9)
+        P, Q = kernel_inputs(toy, tokens)
+        u = torch.from_numpy(gen.random((512, nodes)) ** 2)
+        params = RuleParams(delta=2.0)
+        out, details = verify_tree_with_details("cool_sd", index, P, Q, torch.from_numpy(tokens), valid, u,
+                                                torch.from_numpy(gen.random(512)), params)
+        child_tokens, child_valid = torch.from_numpy(tokens)[:, index.child_nodes], valid[:, index.child_nodes]
+        probs, fallback, _ = node_tables("cool_sd", index, normalise(P)[:, index.internal], normalise(Q), child_tokens,
+                                         child_valid, params)
+        assert torch.equal(probs, details.pass_probs)
+        for b in range(512):
+            path, stopped = _walk_by_hand(tree, probs[b].numpy(), u[b].numpy(), internal_of)
+            assert out.path[b].tolist() == path + [0] * (tree.depth - len(path)), b
+            assert int(out.n_accepted[b]) == len(path)
+            law = fallback[b, stopped] if stopped >= 0 else normalise(P)[b, path[-1]]
+            assert torch.equal(details.next_token_probs[b], law)
+            several += sum(bool(u[b, c] < probs[b, 0, j]) for j, c in enumerate(tree.children[0])) > 1
+            stops += stopped >= 0
+    assert several > 20 and stops > 20  # the walks tested include first-of-several passes and rejections
 
 
 def test_errors_name_the_bad_input():

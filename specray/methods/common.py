@@ -124,6 +124,9 @@ class RoundTally:
         # Full rounds kept aside until flush: (positions [batch, G], [2, batch] drafted and accepted
         # counts). The positions are kept by reference: callers pass a fresh tensor each round.
         self._full_rounds: list[tuple[torch.Tensor, torch.Tensor]] = []
+        # Full rounds reported as masks (observe with rows None), kept the same way: (positions, drafted,
+        # accepted, drafted count or None), each [batch, G] ([batch] for the count).
+        self._full_masks: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]] = []
 
     def slots(self, n: int) -> torch.Tensor:
         """``arange(n)`` on the tally's device (n <= gamma + 1), for building masks from counts."""
@@ -138,19 +141,15 @@ class RoundTally:
         ``drafted_count [r]``: tokens drafted when a slot held several candidates (a draft tree: the
         slots are its depths, the count its nodes); default ``drafted.sum(1)``.
         """
+        if rows is None:  # a full round: no op now, folded in by flush with the others
+            self._full_masks.append((positions, drafted, accepted, drafted_count))
+            return
         drafted_n = drafted.sum(1) if drafted_count is None else drafted_count
-        accepted_n = accepted.sum(1)
         g = min(drafted.shape[1], self.gamma)
-        if rows is None:
-            self.rounds += 1
-            self.drafted += drafted_n
-            self.accepted += accepted_n
-            self.per_position[:, :g] += accepted[:, :g].to(torch.int64)
-        else:
-            self.rounds[rows] += 1
-            self.drafted[rows] += drafted_n
-            self.accepted[rows] += accepted_n
-            self.per_position[rows, :g] += accepted[:, :g].to(torch.int64)
+        self.rounds[rows] += 1
+        self.drafted[rows] += drafted_n
+        self.accepted[rows] += accepted.sum(1)
+        self.per_position[rows, :g] += accepted[:, :g].to(torch.int64)
         self._add_timeline(rows, positions, drafted, accepted)
 
     def observe_prefix(self, rows: torch.Tensor | None, positions: torch.Tensor, n_drafted: torch.Tensor,
@@ -183,6 +182,7 @@ class RoundTally:
 
     def flush(self) -> None:
         """Fold the full rounds kept aside into the counters (to_stats does it too)."""
+        self._flush_masks()
         if not self._full_rounds:
             return
         per_round = torch.stack([counts for _, counts in self._full_rounds])  # [rounds, (drafted, accepted), batch]
@@ -200,6 +200,20 @@ class RoundTally:
             slot = self.slots(width)
             self._add_timeline(None, positions, slot < counts[:, 0, :, None], slot < counts[:, 1, :, None])
         self._full_rounds = []
+
+    def _flush_masks(self) -> None:
+        """Fold in the full rounds :meth:`observe` kept aside, stacked by round width (integer sums)."""
+        for width in sorted({positions.shape[1] for positions, *_ in self._full_masks}):
+            group = [m for m in self._full_masks if m[0].shape[1] == width]
+            positions, drafted, accepted = (torch.stack([m[i] for m in group]) for i in range(3))  # [R, batch, G]
+            counts = torch.stack([d.sum(1) if c is None else c for _, d, _, c in group])  # [R, batch]
+            g = min(width, self.gamma)
+            self.rounds += len(group)
+            self.drafted += counts.sum(0)
+            self.accepted += accepted.sum((0, 2))
+            self.per_position[:, :g] += accepted[:, :, :g].sum(0)
+            self._add_timeline(None, positions, drafted, accepted)
+        self._full_masks = []
 
     def to_stats(self, num_tokens: int, extra: list[dict[str, Any]] | None = None,
                  timeline: bool = True) -> list[SampleStats]:

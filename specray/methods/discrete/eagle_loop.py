@@ -268,15 +268,14 @@ class _TreePlan:
         self.tree = tree
         self.index = index = tree_index(tree, device)
         self.spare = tree.num_nodes + 1  # the column absent children write to
-        self.levels = []  # per depth: (internal node ids, their internal indices, their parents, kids per slot)
+        self.levels = []  # per depth: (internal node ids, their internal indices, their parents, kids per slot j)
         for depth in range(tree.depth):
             nodes = list(tree.levels[depth])
             slots = []
             for j in range(tree.max_children):
                 kids = [tree.children[v][j] if j < len(tree.children[v]) else self.spare for v in nodes]
                 if any(k != self.spare for k in kids):
-                    slots.append((torch.tensor(kids, device=device), torch.tensor([k != self.spare for k in kids],
-                                                                                 device=device)))
+                    slots.append(torch.tensor(kids, device=device))
             ids = torch.tensor(nodes, device=device)
             self.levels.append((ids, index.internal_of[ids], index.parents[ids].clamp(min=0), slots))
         ranks, seen = [0], {}
@@ -290,9 +289,7 @@ class _TreePlan:
         self.positions = torch.arange(num_positions, device=device)
         self.chunk = max(4, min(32, 256 // max(1, sample_ids.shape[0])))
         self.chunks: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
-        # visible()'s round-independent parts, built once (a few ops fewer per head and verify call)
-        self.tree_slot_ids = torch.arange(self.spare, device=device)
-        self._on_path: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(nodes) -> (nodes, rows of visible)
+        self.tree_slot_ids = torch.arange(self.spare, device=device)  # visible()'s slot offsets, built once
 
     def uniforms(self, step: int, idx: torch.Tensor, n: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Uniforms ``[r, N+1]`` of streams draft and accept per node, and the residual ``[r]``, of rows ``idx``."""
@@ -311,19 +308,22 @@ class _TreePlan:
         return (draft[rows, node_positions, self.rank], accept[rows, node_positions, self.rank],
                 residual.gather(1, n[:, None])[:, 0])
 
-    def visible(self, n: torch.Tensor, nodes: torch.Tensor, span: int, first: int) -> torch.Tensor:
-        """``visible [r, len(nodes), span]``: committed slots ``first .. n - 1`` and the nodes' own root path
-        (``span`` must cover every tree slot, ``n + N``)."""
+    def visible(self, n: torch.Tensor, span: int) -> torch.Tensor:
+        """``visible [r, N+1, span]``: node v sees the committed slots ``0 .. n - 1`` and its own root path,
+        slots ``n + a`` (``span`` must cover every tree slot, ``n + N``). Built once a round: the verify
+        call reads it whole, each head call the rows of its level (:meth:`level_visible`)."""
         r = n.shape[0]
-        slots, from_first = _slot_ranges(span, first, n.device)
-        entry = self._on_path.get(id(nodes))
-        if entry is None or entry[0] is not nodes:  # keeps `nodes` alive, so its id is not reused
-            entry = self._on_path[id(nodes)] = nodes, self.index.visible[nodes]
+        slots, _ = _slot_ranges(span, 0, n.device)
         n_col = n[:, None]
-        committed = (from_first & (slots < n_col))[:, None, :].expand(r, nodes.shape[0], span)
-        tree_slots = (n_col + self.tree_slot_ids)[:, None, :]
-        on_path = entry[1][None].expand(r, -1, -1)
-        return committed.clone().scatter_(2, tree_slots.expand(-1, nodes.shape[0], -1), on_path)
+        committed = (slots < n_col)[:, None, :].expand(r, self.spare, span)
+        tree_slots = (n_col + self.tree_slot_ids)[:, None, :].expand(-1, self.spare, -1)
+        return committed.clone().scatter_(2, tree_slots, self.index.visible[None].expand(r, -1, -1))
+
+    @staticmethod
+    def level_visible(visible: torch.Tensor, nodes: torch.Tensor) -> torch.Tensor:
+        """The head's mask for ``nodes``: their rows of the round's :meth:`visible`, without slot 0 (the
+        head has no position 0; tree slots are past it)."""
+        return visible.index_select(1, nodes) & _slot_ranges(visible.shape[-1], 1, visible.device)[1]
 
     def draw_children(self, depth: int, q: torch.Tensor, u: torch.Tensor, node_tokens: torch.Tensor,
                       node_valid: torch.Tensor) -> None:
@@ -335,13 +335,16 @@ class _TreePlan:
         """
         nodes, _, _, slots = self.levels[depth]
         left = q.to(torch.float64)
-        parent_valid = node_valid[:, nodes]
-        for kids, exists in slots:
-            positive = left.sum(-1) > 0
-            drawn = exists & positive & parent_valid
-            token = rng.sample_categorical_keepdim(torch.where(positive[..., None], left, 1.0), u[:, kids, None])
-            node_tokens[:, kids] = torch.where(drawn, token[..., 0], 0)
-            node_valid[:, kids] = drawn
+        parent_valid = node_valid.index_select(1, nodes)
+        # index_select / index_copy_ rather than [:, kids]: the same values, a few µs less per op. An
+        # absent child's writes land in the spare column, which nothing reads, so they need no mask.
+        for kids in slots:
+            cdf = torch.cumsum(left, dim=-1)  # float64 running sums, as sample_categorical makes them
+            drawn = (cdf.select(-1, -1) > 0) & parent_valid
+            # A parent whose law has no mass left draws V - 1 from its zero cdf; not drawn, so masked below.
+            token = rng.sample_from_cdf(cdf, u.index_select(1, kids).unsqueeze(-1))
+            node_tokens.index_copy_(1, kids, torch.where(drawn, token.squeeze(-1), 0))
+            node_valid.index_copy_(1, kids, drawn)
             # The drawn token leaves the parent's law. Zeroing it where nothing was drawn changes no
             # output: no later child of that parent is drawn either (absent children stay absent, an
             # invalid parent stays invalid, an empty law stays empty), so one scatter, no mask.
@@ -369,13 +372,18 @@ def _tree(params: Speculative, pair: ModelPair, labels: torch.Tensor, sample_ids
     depth_steps = torch.arange(depth, device=device)
     node_depth = index.depths[1:, None] == depth_steps[None] + 1  # [N, depth]: node v sits at depth t + 1
     vocab = target_model.config.vocab_size
+    all_rows = torch.arange(batch, device=device)
     for it in range(num_tokens):
-        idx = torch.nonzero(committed < num_tokens).squeeze(1)
-        if idx.numel() == 0:
+        active = [b for b, c in enumerate(committed.tolist()) if c < num_tokens]  # the round's one host sync
+        if not active:
             break
-        n = committed[idx]
+        full = len(active) == batch  # every row takes part: the batch's own tensors, updated in place
+        if full:
+            idx, n, row_tokens = all_rows, committed.clone(), tokens
+        else:
+            idx = torch.tensor(active, device=device)
+            n, row_tokens = committed[idx], tokens[idx]
         r = idx.shape[0]
-        row_tokens = tokens[idx]
         u_draft, u_accept, u_residual = plan.uniforms(it, idx, n)
 
         # 1-2. CATCH UP, then one head call per depth over that depth's internal nodes.
@@ -385,24 +393,26 @@ def _tree(params: Speculative, pair: ModelPair, labels: torch.Tensor, sample_ids
         Q = torch.zeros(r, index.internal.shape[0], vocab, dtype=torch.float32, device=device)
         predicted = torch.zeros(2 * r if head.guided else r, nodes, target_model.config.dim, device=device)
         slots = n[:, None] + node_ids
+        node_positions = n[:, None] + index.depths  # node v sits at sequence position n + depth(v)
         span = attention_span(slots, max_len)  # every call of the round: the whole tree's slots
+        visible = plan.visible(n, span)
         q, predicted[:, 0] = _catch_up(head, target, idx, n, row_tokens, depth + 1, span)
         Q[:, 0] = q
         u_draft = torch.cat([u_draft, u_draft[:, :1]], 1)  # draw_children's spare column
         plan.draw_children(0, q[:, None], u_draft, node_tokens, node_valid)
         for t in range(1, depth):
             level, internal, parents, _ = plan.levels[t]
-            positions = (n + t)[:, None].expand(r, level.shape[0])
-            q, out = head.probs(idx, predicted[:, parents], node_tokens[:, level], positions, n[:, None] + level,
-                                plan.visible(n, level, span, first=1))
-            predicted[:, level] = out
-            Q[:, internal] = q
+            q, out = head.probs(idx, predicted.index_select(1, parents), node_tokens.index_select(1, level),
+                                node_positions.index_select(1, level), slots.index_select(1, level),
+                                plan.level_visible(visible, level))
+            predicted.index_copy_(1, level, out)
+            Q.index_copy_(1, internal, q)
             plan.draw_children(t, q, u_draft, node_tokens, node_valid)
         node_tokens, node_valid = node_tokens[:, :nodes], node_valid[:, :nodes]
 
         # 3-4. VERIFY the whole tree in one target call, DECIDE depth by depth.
         fed = torch.cat([row_tokens.gather(1, (n - 1)[:, None]), node_tokens[:, 1:]], dim=1)
-        P, hidden = target.probs(idx, fed, n[:, None] + index.depths, slots, plan.visible(n, node_ids, span, first=0))
+        P, hidden = target.probs(idx, fed, node_positions, slots, visible)
         verifiable = node_valid & (index.depths[None] <= (num_tokens - 1 - n)[:, None])  # room left in the image
         out = verify_tree(params.rule, index, P, Q, node_tokens, verifiable, u_accept, u_residual, rule_params)
 
@@ -415,12 +425,12 @@ def _tree(params: Speculative, pair: ModelPair, labels: torch.Tensor, sample_ids
         kept = torch.where(accepted, slots.gather(1, path), dest)  # rejected depths move onto themselves
         path_rows = torch.arange(hidden.shape[0], device=device)[:, None]
         target.move(idx, kept, dest, hidden[path_rows, head.both(path)])
-        _commit_tokens(idx, False, n, n_acc, out.next_token, row_tokens, tokens, committed)
+        _commit_tokens(idx, full, n, n_acc, out.next_token, row_tokens, tokens, committed)
         drafted = verifiable[:, 1:]
-        tally.observe(idx, n[:, None] + depth_steps, (drafted[:, :, None] & node_depth[None]).any(1), accepted,
-                      drafted_count=drafted.sum(1))
-        tally.add_calls(idx, target=1, draft=depth)
+        tally.observe(None if full else idx, n[:, None] + depth_steps, (drafted[:, :, None] & node_depth[None]).any(1),
+                      accepted, drafted_count=drafted.sum(1))
     tally.flush()
+    tally.add_calls(None, target=tally.rounds, draft=depth * tally.rounds)  # a round: one verify, depth head calls
     return tokens[:, :num_tokens], tally
 
 

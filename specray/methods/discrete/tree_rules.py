@@ -58,6 +58,8 @@ class TreeIndex:
 
     tree: StaticTree
     internal: torch.Tensor  # [I] node ids with children, root first
+    internal_ids: torch.Tensor  # [I] arange
+    node_ids: torch.Tensor  # [N + 1] arange
     internal_of: torch.Tensor  # [N + 1] internal index of a node, -1 for leaves
     child_nodes: torch.Tensor  # [I, C] child node ids in drafting order (0 where absent)
     child_exists: torch.Tensor  # [I, C] bool
@@ -65,6 +67,7 @@ class TreeIndex:
     depths: torch.Tensor  # [N + 1]
     parents: torch.Tensor  # [N + 1], -1 for the root
     visible: torch.Tensor  # [N + 1, N + 1] bool: node a may attend to node b (b is a or an ancestor of a)
+    path_to: torch.Tensor  # [N + 1, depth]: node v's ancestor at depth t + 1 (v itself at its own depth), 0 below v
 
 
 @functools.lru_cache(maxsize=32)
@@ -81,12 +84,17 @@ def tree_index(tree: StaticTree, device: torch.device) -> TreeIndex:
     internal_of = torch.full((tree.num_nodes + 1,), -1, dtype=torch.int64)
     internal_of[torch.tensor(internal)] = torch.arange(len(internal))
     visible = torch.zeros(tree.num_nodes + 1, tree.num_nodes + 1, dtype=torch.bool)
+    path_to = torch.zeros(tree.num_nodes + 1, tree.depth, dtype=torch.int64)
     for node in range(tree.num_nodes + 1):
         visible[node, 0] = True
         visible[node, tree.ancestors(node)] = True
+        for ancestor in tree.ancestors(node):  # node itself included
+            path_to[node, tree.depths[ancestor] - 1] = ancestor
     return TreeIndex(
         tree=tree,
         internal=torch.tensor(internal, device=device),
+        internal_ids=torch.arange(len(internal), device=device),
+        node_ids=torch.arange(tree.num_nodes + 1, device=device),
         internal_of=internal_of.to(device),
         child_nodes=child_nodes.to(device),
         child_exists=child_exists.to(device),
@@ -94,6 +102,7 @@ def tree_index(tree: StaticTree, device: torch.device) -> TreeIndex:
         depths=torch.tensor(tree.depths, device=device),
         parents=torch.tensor(tree.parents, device=device),
         visible=visible.to(device),
+        path_to=path_to.to(device),
     )
 
 
@@ -139,25 +148,29 @@ def node_tables(rule: str, index: TreeIndex, P_int: torch.Tensor, Q_int: torch.T
     omega = node_omegas(rule, index, params, P_int.device)
     p = P_int
     q_left = Q_int.clone()  # q with the earlier children removed, unnormalised
-    pass_probs = torch.zeros(child_tokens.shape, dtype=_F64, device=P_int.device)
+    passes = []  # per child slot j: [B, I]
     guarded = torch.zeros(P_int.shape[:2], dtype=torch.bool, device=P_int.device)
-    for j in range(child_tokens.shape[-1]):
-        token = child_tokens[..., j]
+    drafted = child_valid & index.child_exists
+    children = child_tokens.shape[-1]
+    for j in range(children):
+        token = child_tokens.select(-1, j)
         q_mass = q_left.sum(-1)
         q_positive = q_mass > 0
-        present = child_valid[..., j] & index.child_exists[None, :, j] & q_positive
+        present = drafted.select(-1, j) & q_positive
         q_j = q_left / torch.where(q_positive, q_mass, 1.0).unsqueeze(-1)
         q_token = _at_draft(q_j, token)  # one indexing op
-        pass_probs[..., j] = torch.where(present, _ratio_prob(_relaxed_mass(rule, p, token, params, omega), q_token), 0.0)
+        passes.append(torch.where(present, _ratio_prob(_relaxed_mass(rule, p, token, params, omega), q_token), 0.0))
         residual, guard = residual_fn(rule, p, q_j, token, params, omega)
         mass = residual.sum(-1, keepdim=True)
         empty = mass.squeeze(-1) <= 0
         updated = torch.where(empty.unsqueeze(-1), guard, residual / torch.where(mass > 0, mass, 1.0))
         p = torch.where(present.unsqueeze(-1), updated, p)
         guarded |= present & empty
+        if j == children - 1:  # no later child reads q_left
+            break
         drawn = torch.zeros_like(q_left, dtype=torch.bool).scatter_(-1, token.unsqueeze(-1), present.unsqueeze(-1))
         q_left = q_left.masked_fill(drawn, 0.0)
-    return pass_probs, p, guarded
+    return torch.stack(passes, dim=-1), p, guarded
 
 
 def _relaxed_mass(rule: str, p: torch.Tensor, token: torch.Tensor, params: RuleParams,
@@ -200,26 +213,19 @@ def _verify_tree_impl(rule: str, index: TreeIndex, P: torch.Tensor, Q: torch.Ten
     pass_probs, fallback_law, guarded = node_tables(
         rule, index, P64[:, index.internal], normalise(Q), child_tokens, child_valid, params, residual_fn)
 
+    # Where the walk goes from each node: its first passing child, or itself (every child failed, or a
+    # leaf), so that depth steps of one lookup each walk every row down its accepted path and then stay.
+    passed = u_accept.to(_F64)[:, index.child_nodes] < pass_probs  # [B, I, C]
+    first = index.child_nodes[index.internal_ids, passed.to(torch.int64).argmax(-1)]  # [B, I]
+    step = index.node_ids.repeat(batch, 1)  # [B, N + 1]
+    step[:, index.internal] = torch.where(passed.any(-1), first, index.internal)
     rows = torch.arange(batch, device=device)
     node = torch.zeros(batch, dtype=torch.int64, device=device)
-    walking = torch.ones(batch, dtype=torch.bool, device=device)
-    rejected_at = torch.full((batch,), -1, dtype=torch.int64, device=device)  # internal index where all failed
-    depth = index.tree.depth
-    path = torch.zeros(batch, depth, dtype=torch.int64, device=device)
-    u_accept = u_accept.to(_F64)  # once, not per depth
-    for t in range(depth):
-        internal = index.internal_of[node]
-        at_internal = walking & (internal >= 0)
-        i = internal.clamp(min=0)
-        kids = index.child_nodes[i]  # [B, C]
-        passed = torch.gather(u_accept, 1, kids) < pass_probs[rows, i]
-        first = passed.to(torch.int64).argmax(1)
-        descend = at_internal & passed.any(1)
-        rejected_at = torch.where(at_internal & ~descend, i, rejected_at)
-        node = torch.where(descend, kids[rows, first], node)
-        path[:, t] = torch.where(descend, node, 0)
-        walking = descend
-    n_accepted = (path > 0).sum(1)
+    for _ in range(index.tree.depth):
+        node = step[rows, node]
+    path = index.path_to[node]  # [B, depth]: the accepted nodes, 0 past the last
+    n_accepted = index.depths[node]
+    rejected_at = index.internal_of[node]  # the walk ended at an internal node: every child there failed
     rejected = rejected_at >= 0
     law = torch.where(rejected.unsqueeze(-1), fallback_law[rows, rejected_at.clamp(min=0)], P64[rows, node])
     next_token = sample_categorical(law, u_residual.to(device=device, dtype=_F64))
