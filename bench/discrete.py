@@ -22,8 +22,9 @@ sampling with CFG 1.5) it reports:
   states (prefill 1 token, chain verify gamma+1, tree verify: the tree's nodes + 1, with its tree
   mask), ``head`` an EAGLE-head call (the round's catch-up over depth + 1 positions, then one token per
   chain step, or one tree level's internal nodes). Every shape used is timed in the same run (at four
-  positions spread over the image: attention's cost grows with the filled cache on a CPU), a few
-  shapes before each arm's batch, so that the timings see the load the runs see (calls on fewer rows
+  positions spread over the image: attention's cost grows with the filled cache on a CPU; a
+  speculative GPT shape with its rows a few positions apart, since rows at different positions write
+  their K/V by index and level rows through cheaper slices), a few shapes before each arm's batch, so that the timings see the load the runs see (calls on fewer rows
   at a grid of row counts, linear in between), and predicted time = sum over calls of the cost of
   the call's shape;
 - ``eff`` = speedup / pred (1.0: no more loop overhead than target_only's own loop);
@@ -212,7 +213,8 @@ def _call_of_shape(role: str, n: int, rows: int, batch: int, pairs: dict[str, Mo
 
     The cache length is the loop's: target_only's for 1-token target calls (all but one prefill call
     per speculative batch), the speculative loop's (room for a padded verify) otherwise; for the head
-    arms' calls, the prefix plus the call's tokens (a tree verify's nodes).
+    arms' calls, the prefix plus the call's tokens (a tree verify's nodes). The rows of a speculative
+    GPT shape stand at different positions (0-3 apart), as they do after a loop's first round.
     """
     sampling = SD()
     gpt = pairs[DRAFT]
@@ -220,8 +222,12 @@ def _call_of_shape(role: str, n: int, rows: int, batch: int, pairs: dict[str, Mo
     num_tokens = gpt.target.config.num_image_tokens
     idx = torch.arange(rows, device=device)
     tok = torch.randint(0, gpt.target.config.vocab_size, (rows, n), generator=gen).to(device)
-    spread = [((2 * k + 1) * num_tokens // (2 * SPREAD) + torch.arange(n, device=device)).expand(rows, n).contiguous()
-              for k in range(SPREAD)]
+    # Past their first round a speculative loop's rows stand at different positions, so its GPT calls write
+    # K/V by index; target_only keeps every row level, and a level write goes through slices, which costs
+    # less (cache_write_index). So the speculative GPT shapes are timed with rows a few positions apart.
+    level = role not in ("target", "draft") or (role, n) == ("target", 1)
+    stagger = torch.zeros(rows, 1, dtype=torch.int64) if level else (torch.arange(rows) % 4)[:, None]
+    spread = [((2 * k + 1) * num_tokens // (2 * SPREAD) + torch.arange(n) + stagger).to(device) for k in range(SPREAD)]
     if role in ("target", "draft"):
         model = gpt.target if role == "target" else gpt.draft
         max_len = gpt.target.max_seq_len + (0 if (role, n) == ("target", 1) else gamma + 1)
