@@ -24,9 +24,9 @@ sampling with CFG 1.5) it reports:
   chain step, or one tree level's internal nodes). Every shape used is timed in the same run (at four
   positions spread over the image: attention's cost grows with the filled cache on a CPU; a
   speculative GPT shape with its rows a few positions apart, since rows at different positions write
-  their K/V by index and level rows through cheaper slices), a few shapes before each arm's batch, so that the timings see the load the runs see (calls on fewer rows
-  at a grid of row counts, linear in between), and predicted time = sum over calls of the cost of
-  the call's shape;
+  their K/V by index and level rows through cheaper slices), a few shapes before each arm's batch, so
+  that the timings see the load the runs see (calls on fewer rows at a grid of row counts, linear in
+  between), and predicted time = sum over calls of the cost of the call's shape;
 - ``eff`` = speedup / pred (1.0: no more loop overhead than target_only's own loop);
 - ``ovh`` = time / predicted time of the arm's own calls (its loop overhead factor);
 - ``run-eff``: the efficiency with each call priced at what it took in the timed runs themselves

@@ -106,8 +106,9 @@ class RoundTally:
     the prefix up to its last passing slot, CSpD's windows any subset: all are masks here.
 
     Counters are moved to the host once, in :meth:`to_stats`. Rounds in which every row of the
-    batch takes part (the common case) are kept as one small stacked tensor each (and their
-    positions) and folded in at the end, counters and timeline alike, so such a round costs one stack.
+    batch takes part (the common case) are kept aside and folded in at the end, counters and
+    timeline alike: a prefix round as one small stacked tensor (one op), a round given as masks by
+    reference (no op).
     """
 
     def __init__(self, batch: int, gamma: int, num_positions: int, device: torch.device | str = "cpu") -> None:
@@ -139,7 +140,8 @@ class RoundTally:
         ``positions [r, G]``: the token index of each draft slot; ``drafted``/``accepted`` ``[r, G]``:
         bool masks (accepted implies drafted). Slots past the row's draft are not drafted.
         ``drafted_count [r]``: tokens drafted when a slot held several candidates (a draft tree: the
-        slots are its depths, the count its nodes); default ``drafted.sum(1)``.
+        slots are its depths, the count its nodes); default ``drafted.sum(1)``. With ``rows`` None the
+        four tensors are kept by reference until :meth:`flush`: the caller must not modify them.
         """
         if rows is None:  # a full round: no op now, folded in by flush with the others
             self._full_masks.append((positions, drafted, accepted, drafted_count))

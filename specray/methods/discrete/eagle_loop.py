@@ -255,7 +255,8 @@ def _commit_tokens(idx: torch.Tensor, full: bool, n: torch.Tensor, n_acc: torch.
 
 class _TreePlan:
     """Everything about a tree a round reuses, built once per batch: per depth, the internal nodes the
-    head runs on, their attention rows and their children; and the round's uniforms.
+    head runs on, their parents and their children; the round's attention mask (:meth:`visible`); and
+    the round's uniforms.
 
     Uniforms: node ``v`` at depth ``t`` draws from streams "draft" / "accept" at position
     ``n_b + t - 1``, index = its rank among the nodes of depth ``t``; the residual at position ``n_b``.
@@ -289,7 +290,6 @@ class _TreePlan:
         self.positions = torch.arange(num_positions, device=device)
         self.chunk = max(4, min(32, 256 // max(1, sample_ids.shape[0])))
         self.chunks: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
-        self.tree_slot_ids = torch.arange(self.spare, device=device)  # visible()'s slot offsets, built once
 
     def uniforms(self, step: int, idx: torch.Tensor, n: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Uniforms ``[r, N+1]`` of streams draft and accept per node, and the residual ``[r]``, of rows ``idx``."""
@@ -316,7 +316,7 @@ class _TreePlan:
         slots, _ = _slot_ranges(span, 0, n.device)
         n_col = n[:, None]
         committed = (slots < n_col)[:, None, :].expand(r, self.spare, span)
-        tree_slots = (n_col + self.tree_slot_ids)[:, None, :].expand(-1, self.spare, -1)
+        tree_slots = (n_col + self.index.node_ids)[:, None, :].expand(-1, self.spare, -1)  # node v in slot n + v
         return committed.clone().scatter_(2, tree_slots, self.index.visible[None].expand(r, -1, -1))
 
     @staticmethod
@@ -368,7 +368,6 @@ def _tree(params: Speculative, pair: ModelPair, labels: torch.Tensor, sample_ids
     committed = _prefill(target, labels, sample_ids, seed, tokens)
     tally = RoundTally(batch, depth, num_tokens, device)
     tally.add_calls(None, target=1)
-    node_ids = torch.arange(nodes, device=device)
     depth_steps = torch.arange(depth, device=device)
     node_depth = index.depths[1:, None] == depth_steps[None] + 1  # [N, depth]: node v sits at depth t + 1
     vocab = target_model.config.vocab_size
@@ -392,7 +391,7 @@ def _tree(params: Speculative, pair: ModelPair, labels: torch.Tensor, sample_ids
         node_valid[:, 0] = True
         Q = torch.zeros(r, index.internal.shape[0], vocab, dtype=torch.float32, device=device)
         predicted = torch.zeros(2 * r if head.guided else r, nodes, target_model.config.dim, device=device)
-        slots = n[:, None] + node_ids
+        slots = n[:, None] + index.node_ids
         node_positions = n[:, None] + index.depths  # node v sits at sequence position n + depth(v)
         span = attention_span(slots, max_len)  # every call of the round: the whole tree's slots
         visible = plan.visible(n, span)
