@@ -46,4 +46,3 @@ def test_full_rounds_folded_by_flush_equal_rounds_observed_row_by_row():
     stats = _stats(kept, num_tokens)
     assert stats == _stats(by_row, num_tokens)
     assert all(s["num_spec_steps"] > 0 and s["num_accepted_draft_tokens"] > 0 for s in stats)
-

@@ -183,39 +183,29 @@ class RoundTally:
             self.draft_calls[rows] += draft
 
     def flush(self) -> None:
-        """Fold the full rounds kept aside into the counters (to_stats does it too)."""
-        self._flush_masks()
-        if not self._full_rounds:
-            return
-        per_round = torch.stack([counts for _, counts in self._full_rounds])  # [rounds, (drafted, accepted), batch]
-        self.rounds += per_round.shape[0]
-        self.drafted += per_round[:, 0].sum(0)
-        self.accepted += per_round[:, 1].sum(0)
-        slot = self.slots(self.gamma)[None, :, None]
-        self.per_position += (slot < per_round[:, 1, None, :]).sum(0).T
-        # The timeline, one index_add per round width (integer sums: the order does not matter).
-        widths = sorted({positions.shape[1] for positions, _ in self._full_rounds})
-        for width in widths:
-            rounds = [i for i, (positions, _) in enumerate(self._full_rounds) if positions.shape[1] == width]
-            positions = torch.stack([self._full_rounds[i][0] for i in rounds])  # [r, batch, width]
-            counts = per_round[rounds] if len(rounds) < per_round.shape[0] else per_round
+        """Fold the full rounds kept aside into the counters (to_stats does it too), stacked by round
+        width (integer sums: the order does not matter)."""
+        for width in sorted({positions.shape[1] for positions, _ in self._full_rounds}):
+            group = [kept for kept in self._full_rounds if kept[0].shape[1] == width]
+            counts = torch.stack([c for _, c in group])  # [R, (drafted, accepted), batch]
             slot = self.slots(width)
-            self._add_timeline(None, positions, slot < counts[:, 0, :, None], slot < counts[:, 1, :, None])
-        self._full_rounds = []
-
-    def _flush_masks(self) -> None:
-        """Fold in the full rounds :meth:`observe` kept aside, stacked by round width (integer sums)."""
+            self._fold(torch.stack([p for p, _ in group]), slot < counts[:, 0, :, None], slot < counts[:, 1, :, None],
+                       counts[:, 0])
         for width in sorted({positions.shape[1] for positions, *_ in self._full_masks}):
-            group = [m for m in self._full_masks if m[0].shape[1] == width]
-            positions, drafted, accepted = (torch.stack([m[i] for m in group]) for i in range(3))  # [R, batch, G]
-            counts = torch.stack([d.sum(1) if c is None else c for _, d, _, c in group])  # [R, batch]
-            g = min(width, self.gamma)
-            self.rounds += len(group)
-            self.drafted += counts.sum(0)
-            self.accepted += accepted.sum((0, 2))
-            self.per_position[:, :g] += accepted[:, :, :g].sum(0)
-            self._add_timeline(None, positions, drafted, accepted)
-        self._full_masks = []
+            group = [kept for kept in self._full_masks if kept[0].shape[1] == width]
+            positions, drafted, accepted = (torch.stack([kept[i] for kept in group]) for i in range(3))
+            self._fold(positions, drafted, accepted, torch.stack([d.sum(1) if c is None else c for _, d, _, c in group]))
+        self._full_rounds, self._full_masks = [], []
+
+    def _fold(self, positions: torch.Tensor, drafted: torch.Tensor, accepted: torch.Tensor,
+              drafted_counts: torch.Tensor) -> None:
+        """Add R rounds in which every row took part: ``positions``, masks ``[R, batch, G]``, counts ``[R, batch]``."""
+        g = min(positions.shape[-1], self.gamma)
+        self.rounds += positions.shape[0]
+        self.drafted += drafted_counts.sum(0)
+        self.accepted += accepted.sum((0, 2))
+        self.per_position[:, :g] += accepted[:, :, :g].sum(0)
+        self._add_timeline(None, positions, drafted, accepted)
 
     def to_stats(self, num_tokens: int, extra: list[dict[str, Any]] | None = None,
                  timeline: bool = True) -> list[SampleStats]:
