@@ -12,13 +12,16 @@ from specray.methods.discrete.processing import SamplingParams, process_logits, 
 from specray.models import discrete_ar
 from specray.models.digits import load_digits_split, to_uint8_pixels
 from specray.models.discrete_ar import (
+    BLOCK_WRITE_MIN_TOKENS,
     PAIR_SWAP_BY_SLICES,
+    BlockWrite,
     DiscreteGPT,
     GPTConfig,
     apply_rotary,
     apply_rotary_factors,
     cache_write_index,
     flops_per_token,
+    kv_slots,
     load_model,
     load_pair,
     rotary_factors,
@@ -125,12 +128,77 @@ def test_uniform_positions_write_the_cache_through_slices_with_the_same_results(
     with torch.no_grad():
         sliced, sliced_cache = run()
         monkeypatch.setattr(discrete_ar, "cache_write_index",
-                            lambda positions, rows: (torch.arange(positions.shape[0])[:, None], positions))
+                            lambda positions, rows, n_head=None: (torch.arange(positions.shape[0])[:, None], positions))
         indexed, indexed_cache = run()
     assert torch.equal(sliced, indexed)
     for a, b in zip(sliced_cache.keys + sliced_cache.values, indexed_cache.keys + indexed_cache.values):
         assert torch.equal(a, b)
     assert torch.equal(sliced_cache.lengths, indexed_cache.lengths)
+
+
+def per_value_write_index(positions: torch.Tensor, rows: torch.Tensor | None, n_head: int | None = None):
+    """cache_write_index without its slice and block shortcuts."""
+    return (torch.arange(positions.shape[0]) if rows is None else rows)[:, None], positions
+
+
+def test_block_write_puts_the_same_values_in_the_same_slots():
+    """BlockWrite against the per-value write: 8 ragged rows of 5 tokens (all rows, and 5 of 12 in
+    shuffled order), 1 token, and a row whose block ends in the last slot; a cache not stored
+    head-major takes the per-value write. Negative control: blocks one slot late differ."""
+    g = torch.Generator().manual_seed(7)
+    for n, rows in ((5, None), (5, torch.tensor([9, 2, 4, 11, 0])), (1, None)):
+        r = 8 if rows is None else rows.shape[0]
+        starts = torch.randint(0, 12 - n + 1, (r, 1), generator=g)
+        starts[0] = 12 - n  # the last block of the row
+        positions = starts + torch.arange(n)
+        x = torch.randn(r, n, 3, 4, generator=g)
+        write_rows = torch.arange(r) if rows is None else rows
+        by_blocks = kv_slots(12, max_len=12, n_head=3, head_dim=4, like=x)
+        by_values = by_blocks.clone()
+        BlockWrite(write_rows, positions, 3).write(by_blocks, x)
+        by_values[write_rows[:, None], positions] = x
+        assert torch.equal(by_blocks, by_values)
+        late = kv_slots(12, max_len=12, n_head=3, head_dim=4, like=x)
+        BlockWrite(write_rows, positions + (positions[:, :1] < 12 - n).long(), 3).write(late, x)  # one slot on
+        assert not torch.equal(late, by_values)
+    row_major = torch.zeros(12, 12, 3, 4)  # [rows, slots, H, hd] stored as indexed: the per-value write
+    BlockWrite(write_rows, positions, 3).write(row_major, x)
+    expected = torch.zeros(12, 12, 3, 4)
+    expected[write_rows[:, None], positions] = x
+    assert torch.equal(row_major, expected)
+
+
+def test_block_writes_are_chosen_for_large_calls_of_consecutive_positions(monkeypatch):
+    """cache_write_index picks BlockWrite from BLOCK_WRITE_MIN_TOKENS tokens on when every row's positions
+    are consecutive (not for parked rows clamped to the last slot), and a model call through it
+    gives the logits and caches of the per-value write."""
+    rows = BLOCK_WRITE_MIN_TOKENS // 4
+    ragged = torch.randint(1, 20, (rows, 1), generator=torch.Generator().manual_seed(2)) + torch.arange(4)
+    assert isinstance(cache_write_index(ragged, None, 2)[0], BlockWrite)
+    assert isinstance(cache_write_index(ragged, None)[0], torch.Tensor)  # no head count: per value
+    assert isinstance(cache_write_index(ragged[:-1], None, 2)[0], torch.Tensor)  # below the size
+    clamped = ragged.clone()
+    clamped[3] = torch.tensor([30, 31, 31, 31])
+    assert isinstance(cache_write_index(clamped, None, 2)[0], torch.Tensor)
+
+    model = tiny_model()
+    labels, tokens = random_tokens(rows, seed=6)
+
+    def run() -> tuple[torch.Tensor, object]:
+        cache = model.new_cache(rows)
+        model.prefill(labels, cache)
+        level = torch.arange(1, 20).expand(rows, -1)  # every row to position 19 (slices), then cropped
+        model.forward_step(sequence_tokens(labels, tokens, level), level, cache)
+        cache.crop(ragged[:, 0])
+        return model.forward_step(sequence_tokens(labels, tokens, ragged), ragged, cache), cache
+
+    with torch.no_grad():
+        blocks, blocks_cache = run()
+        monkeypatch.setattr(discrete_ar, "cache_write_index", per_value_write_index)
+        values, values_cache = run()
+    assert torch.equal(blocks, values)
+    for a, b in zip(blocks_cache.keys + blocks_cache.values, values_cache.keys + values_cache.values):
+        assert torch.equal(a, b)
 
 
 def test_layout_mirrors_llamagen_keys():
