@@ -21,6 +21,7 @@ from specray.models.discrete_ar import (
     apply_rotary_factors,
     cache_write_index,
     flops_per_token,
+    gather_rows,
     kv_slots,
     load_model,
     load_pair,
@@ -166,6 +167,16 @@ def test_block_write_puts_the_same_values_in_the_same_slots():
     expected = torch.zeros(12, 12, 3, 4)
     expected[write_rows[:, None], positions] = x
     assert torch.equal(row_major, expected)
+
+
+def test_gathered_rows_keep_the_values_and_the_head_major_layout():
+    """gather_rows equals cache[rows] over a span of a kv_slots cache, and stays head-major."""
+    cache = kv_slots(10, max_len=12, n_head=3, head_dim=4, like=torch.zeros(()))
+    cache.copy_(torch.randn(10, 12, 3, 4, generator=torch.Generator().manual_seed(4)))
+    rows = torch.tensor([7, 1, 4])
+    span = cache[:, :8]
+    gathered = gather_rows(span, rows)
+    assert torch.equal(gathered, span[rows]) and gathered.transpose(1, 2).is_contiguous()
 
 
 def test_block_writes_are_chosen_for_large_calls_of_consecutive_positions(monkeypatch):

