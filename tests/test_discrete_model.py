@@ -144,8 +144,9 @@ def per_value_write_index(positions: torch.Tensor, rows: torch.Tensor | None, n_
 
 def test_block_write_puts_the_same_values_in_the_same_slots():
     """BlockWrite against the per-value write: 8 ragged rows of 5 tokens (all rows, and 5 of 12 in
-    shuffled order), 1 token, and a row whose block ends in the last slot; a cache not stored
-    head-major takes the per-value write. Negative control: blocks one slot late differ."""
+    shuffled order), 1 token, and a row whose block ends in the last slot; in a cache of its own and in
+    the second layer of a stacked one (a storage offset, as the EAGLE loop's caches); a cache not
+    stored head-major takes the per-value write. Negative control: blocks one slot late differ."""
     g = torch.Generator().manual_seed(7)
     for n, rows in ((5, None), (5, torch.tensor([9, 2, 4, 11, 0])), (1, None)):
         r = 8 if rows is None else rows.shape[0]
@@ -154,19 +155,22 @@ def test_block_write_puts_the_same_values_in_the_same_slots():
         positions = starts + torch.arange(n)
         x = torch.randn(r, n, 3, 4, generator=g)
         write_rows = torch.arange(r) if rows is None else rows
-        by_blocks = kv_slots(12, max_len=12, n_head=3, head_dim=4, like=x)
-        by_values = by_blocks.clone()
-        BlockWrite(write_rows, positions, 3).write(by_blocks, x)
-        by_values[write_rows[:, None], positions] = x
-        assert torch.equal(by_blocks, by_values)
-        late = kv_slots(12, max_len=12, n_head=3, head_dim=4, like=x)
+        shape = {"max_len": 12, "n_head": 3, "head_dim": 4, "like": x}
+        stacked = kv_slots(2, 12, **shape)
+        for by_blocks in (kv_slots(12, **shape), stacked[1]):
+            by_values = by_blocks.clone()
+            BlockWrite(write_rows, positions, 3).write(by_blocks, x)
+            by_values[write_rows[:, None], positions] = x
+            assert torch.equal(by_blocks, by_values)
+        assert not stacked[0].any()  # the other layer untouched
+        late = kv_slots(12, **shape)
         BlockWrite(write_rows, positions + (positions[:, :1] < 12 - n).long(), 3).write(late, x)  # one slot on
         assert not torch.equal(late, by_values)
-    row_major = torch.zeros(12, 12, 3, 4)  # [rows, slots, H, hd] stored as indexed: the per-value write
-    BlockWrite(write_rows, positions, 3).write(row_major, x)
-    expected = torch.zeros(12, 12, 3, 4)
-    expected[write_rows[:, None], positions] = x
-    assert torch.equal(row_major, expected)
+        row_major = torch.zeros(12, 12, 3, 4)  # [rows, slots, H, hd] stored as indexed: the per-value write
+        BlockWrite(write_rows, positions, 3).write(row_major, x)
+        expected = torch.zeros(12, 12, 3, 4)
+        expected[write_rows[:, None], positions] = x
+        assert torch.equal(row_major, expected)
 
 
 def test_gathered_rows_keep_the_values_and_the_head_major_layout():
@@ -188,9 +192,10 @@ def test_block_writes_are_chosen_for_large_calls_of_consecutive_positions(monkey
     assert isinstance(cache_write_index(ragged, None, 2)[0], BlockWrite)
     assert isinstance(cache_write_index(ragged, None)[0], torch.Tensor)  # no head count: per value
     assert isinstance(cache_write_index(ragged[:-1], None, 2)[0], torch.Tensor)  # below the size
-    clamped = ragged.clone()
-    clamped[3] = torch.tensor([30, 31, 31, 31])
-    assert isinstance(cache_write_index(clamped, None, 2)[0], torch.Tensor)
+    for row in ([30, 31, 31, 31], [0, 2, 4, 6], [-1, 0, 1, 2]):  # clamped (a parked row), gapped, negative
+        odd = ragged.clone()
+        odd[3] = torch.tensor(row)
+        assert isinstance(cache_write_index(odd, None, 2)[0], torch.Tensor)
 
     model = tiny_model()
     labels, tokens = random_tokens(rows, seed=6)
@@ -210,6 +215,35 @@ def test_block_writes_are_chosen_for_large_calls_of_consecutive_positions(monkey
     assert torch.equal(blocks, values)
     for a, b in zip(blocks_cache.keys + blocks_cache.values, values_cache.keys + values_cache.values):
         assert torch.equal(a, b)
+
+
+def test_additive_masks_give_the_logits_of_bool_masks(monkeypatch):
+    """forward_step (ragged rows) and forward_tree with the 0 / -inf masks built once per call give the
+    logits of the bool masks handed to every layer's SDPA call. Negative control: masks of zeros differ."""
+    model = tiny_model()
+    labels, tokens = random_tokens(6, seed=8)
+    positions = torch.tensor([[1, 2, 3], [4, 5, 6], [2, 3, 4], [1, 2, 3], [7, 8, 9], [3, 4, 5]])
+    slots = positions + 2
+    visible = torch.arange(16)[None, None, :] <= slots[:, :, None]
+
+    def run() -> tuple[torch.Tensor, torch.Tensor]:
+        cache = model.new_cache(6, 16)
+        model.prefill(labels, cache)
+        level = torch.arange(1, 10).expand(6, -1)
+        model.forward_step(sequence_tokens(labels, tokens, level), level, cache)
+        cache.crop(positions[:, 0])
+        step = model.forward_step(sequence_tokens(labels, tokens, positions), positions, cache)
+        tree = model.forward_tree(tokens[:, :3], positions, slots, visible, cache)
+        return step, tree
+
+    with torch.no_grad():
+        additive = run()
+        monkeypatch.setattr(discrete_ar, "additive_mask", lambda mask, dtype: mask)
+        boolean = run()
+        monkeypatch.setattr(discrete_ar, "additive_mask", lambda mask, dtype: torch.zeros(mask.shape, dtype=dtype))
+        unmasked = run()
+    assert all(torch.equal(a, b) for a, b in zip(additive, boolean))
+    assert not any(torch.equal(a, b) for a, b in zip(additive, unmasked))
 
 
 def test_layout_mirrors_llamagen_keys():

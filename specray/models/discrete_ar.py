@@ -181,7 +181,7 @@ class Attention(nn.Module):
         compiled: bool = False,
     ) -> torch.Tensor:
         """``x [R, n, D]``; ``rope`` = :func:`rotary_factors`; ``mask [R, 1, n, S]``: bool (True = may attend),
-        or its :func:`additive_mask` (eager calls over the cache build it once for every layer).
+        or its :func:`additive_mask` (on a CPU the eager calls over the cache build it once for every layer).
 
         ``kv`` = (k_cache, v_cache, read_rows, write_rows, positions): cache tensors
         ``[R_all, S, H, hd]`` written at ``[write_rows [R, 1], positions [R, n]]`` (or at two slices, or
@@ -236,7 +236,7 @@ def attention_span(last_slots: torch.Tensor, max_len: int, what: str = "slot") -
 
 
 def cache_write_index(positions: torch.Tensor, rows: torch.Tensor | None,
-                      n_head: int | None = None) -> tuple[torch.Tensor | slice | "BlockWrite", torch.Tensor | slice]:
+                      n_head: int | None = None) -> tuple[torch.Tensor | slice | BlockWrite, torch.Tensor | slice]:
     """Where a call writes its K/V: ``[rows, positions]`` as index tensors (rows default to all).
 
     On a CPU (not while torch.compile captures a step), with the same values written:
@@ -257,10 +257,17 @@ def cache_write_index(positions: torch.Tensor, rows: torch.Tensor | None,
         if start == int(hi):  # a row's positions are consecutive: equal starts, equal slots
             return slice(None), slice(start, start + n)
     write_rows = torch.arange(r, device=positions.device) if rows is None else rows
-    if (on_cpu and n_head is not None and r * n >= BLOCK_WRITE_MIN_TOKENS
-            and int((positions[:, -1] - positions[:, 0]).min()) == n - 1):  # parked rows may be clamped
+    if on_cpu and n_head is not None and r * n >= BLOCK_WRITE_MIN_TOKENS and _consecutive(positions):
         return BlockWrite(write_rows, positions, n_head), positions
     return write_rows[:, None], positions
+
+
+def _consecutive(positions: torch.Tensor) -> bool:
+    """Whether every row of ``positions [r, n]`` is ``p, p + 1, .., p + n - 1`` with ``p >= 0`` (a parked
+    row of :class:`~specray.methods.discrete.loop.GuidedModel` may be clamped to the last slot)."""
+    starts = positions[:, :1]
+    steps = torch.arange(positions.shape[1], device=positions.device)
+    return int(starts.min()) >= 0 and torch.equal(positions - starts, steps.expand_as(positions))
 
 
 class BlockWrite:
@@ -297,8 +304,12 @@ def gather_rows(cache: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
 
 
 def additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """A bool attention mask (True = may attend) as the SDPA kernel converts it, 0 or -inf: built once per
-    call rather than by every layer's kernel call; the kernel receives the same values."""
+    """On a CPU, a bool attention mask (True = may attend) as the SDPA dispatcher converts it there, 0 or
+    -inf in ``dtype``: built once per call rather than in every layer's kernel call, the kernel receives
+    the same values. Elsewhere the bool mask itself (a GPU's attention backends convert it their own
+    way: cuDNN's to -65504)."""
+    if mask.device.type != "cpu":
+        return mask
     return torch.where(mask, 0.0, float("-inf")).to(dtype)
 
 
