@@ -111,6 +111,11 @@ def test_rotary_pair_swap_by_slices_and_by_gather_give_the_reference_bits():
         assert torch.equal(apply_rotary_factors(x, rotary_factors(rope)), reference)  # no index: slices
 
 
+def per_value_write_index(positions: torch.Tensor, rows: torch.Tensor | None, n_head: int | None = None):
+    """cache_write_index without its slice and block shortcuts."""
+    return (torch.arange(positions.shape[0]) if rows is None else rows)[:, None], positions
+
+
 def test_uniform_positions_write_the_cache_through_slices_with_the_same_results(monkeypatch):
     model = tiny_model()
     labels, tokens = random_tokens(4, seed=5)
@@ -128,18 +133,12 @@ def test_uniform_positions_write_the_cache_through_slices_with_the_same_results(
 
     with torch.no_grad():
         sliced, sliced_cache = run()
-        monkeypatch.setattr(discrete_ar, "cache_write_index",
-                            lambda positions, rows, n_head=None: (torch.arange(positions.shape[0])[:, None], positions))
+        monkeypatch.setattr(discrete_ar, "cache_write_index", per_value_write_index)
         indexed, indexed_cache = run()
     assert torch.equal(sliced, indexed)
     for a, b in zip(sliced_cache.keys + sliced_cache.values, indexed_cache.keys + indexed_cache.values):
         assert torch.equal(a, b)
     assert torch.equal(sliced_cache.lengths, indexed_cache.lengths)
-
-
-def per_value_write_index(positions: torch.Tensor, rows: torch.Tensor | None, n_head: int | None = None):
-    """cache_write_index without its slice and block shortcuts."""
-    return (torch.arange(positions.shape[0]) if rows is None else rows)[:, None], positions
 
 
 def test_block_write_puts_the_same_values_in_the_same_slots():
