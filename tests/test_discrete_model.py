@@ -245,6 +245,25 @@ def test_additive_masks_give_the_logits_of_bool_masks(monkeypatch):
     assert not any(torch.equal(a, b) for a, b in zip(additive, unmasked))
 
 
+def test_feed_forward_in_place_gives_the_autograd_path_bits_and_leaves_its_input():
+    ffn = tiny_model().layers[0].feed_forward
+    x = torch.randn(6, 5, 32)
+    kept = x.clone()
+    with torch.inference_mode():
+        in_place = ffn(x)
+    with torch.no_grad():
+        also_in_place = ffn(x)
+    x_grad = x.clone().requires_grad_()
+    reference = ffn(x_grad)
+    reference.sum().backward()  # the autograd path keeps what its backward needs
+    assert torch.equal(in_place, reference.detach()) and torch.equal(also_in_place, reference.detach())
+    assert torch.equal(x, kept)
+    assert x_grad.grad is not None and ffn.w1.weight.grad is not None
+    # Negative control: the formula without the gate's silu gives other values.
+    plain = torch.nn.functional.linear(ffn.w1(x) * ffn.w3(x), ffn.w2.weight)
+    assert not torch.equal(plain, reference.detach())
+
+
 def test_layout_mirrors_llamagen_keys():
     keys = set(tiny_model().state_dict())
     for key in (

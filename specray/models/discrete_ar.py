@@ -333,7 +333,10 @@ class FeedForward(nn.Module):
         self.ffn_dropout = nn.Dropout(config.ffn_dropout_p)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = F.linear(F.silu(F.linear(x, self.w1.weight)) * F.linear(x, self.w3.weight), self.w2.weight)
+        gate, up = F.linear(x, self.w1.weight), F.linear(x, self.w3.weight)
+        # Without autograd, in place: the same kernels and values, and no new [tokens, ffn_hidden] buffers.
+        hidden = F.silu(gate) * up if torch.is_grad_enabled() else F.silu(gate, inplace=True).mul_(up)
+        out = F.linear(hidden, self.w2.weight)
         return self.ffn_dropout(out) if self.training else out
 
 
