@@ -334,7 +334,7 @@ class FeedForward(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = F.linear(x, self.w1.weight), F.linear(x, self.w3.weight)
-        # Without autograd, in place: the same kernels and values, and no new [tokens, ffn_hidden] buffers.
+        # Without autograd, in place: the same kernels and values, two [tokens, ffn_hidden] buffers fewer.
         hidden = F.silu(gate) * up if torch.is_grad_enabled() else F.silu(gate, inplace=True).mul_(up)
         out = F.linear(hidden, self.w2.weight)
         return self.ffn_dropout(out) if self.training else out
