@@ -116,6 +116,19 @@ def per_value_write_index(positions: torch.Tensor, rows: torch.Tensor | None, n_
     return (torch.arange(positions.shape[0]) if rows is None else rows)[:, None], positions
 
 
+def assert_same_as_per_value_writes(run, monkeypatch):
+    """``run()`` -> (logits, cache) gives the same logits and K/V with the writes cache_write_index chooses
+    as with every write per value; returns both caches."""
+    with torch.no_grad():
+        chosen, chosen_cache = run()
+        monkeypatch.setattr(discrete_ar, "cache_write_index", per_value_write_index)
+        per_value, per_value_cache = run()
+    assert torch.equal(chosen, per_value)
+    for a, b in zip(chosen_cache.keys + chosen_cache.values, per_value_cache.keys + per_value_cache.values):
+        assert torch.equal(a, b)
+    return chosen_cache, per_value_cache
+
+
 def test_uniform_positions_write_the_cache_through_slices_with_the_same_results(monkeypatch):
     model = tiny_model()
     labels, tokens = random_tokens(4, seed=5)
@@ -131,13 +144,7 @@ def test_uniform_positions_write_the_cache_through_slices_with_the_same_results(
         model.prefill(labels, cache)
         return model.forward_step(sequence_tokens(labels, tokens, uniform), uniform, cache), cache
 
-    with torch.no_grad():
-        sliced, sliced_cache = run()
-        monkeypatch.setattr(discrete_ar, "cache_write_index", per_value_write_index)
-        indexed, indexed_cache = run()
-    assert torch.equal(sliced, indexed)
-    for a, b in zip(sliced_cache.keys + sliced_cache.values, indexed_cache.keys + indexed_cache.values):
-        assert torch.equal(a, b)
+    sliced_cache, indexed_cache = assert_same_as_per_value_writes(run, monkeypatch)
     assert torch.equal(sliced_cache.lengths, indexed_cache.lengths)
 
 
@@ -207,13 +214,7 @@ def test_block_writes_are_chosen_for_large_calls_of_consecutive_positions(monkey
         cache.crop(ragged[:, 0])
         return model.forward_step(sequence_tokens(labels, tokens, ragged), ragged, cache), cache
 
-    with torch.no_grad():
-        blocks, blocks_cache = run()
-        monkeypatch.setattr(discrete_ar, "cache_write_index", per_value_write_index)
-        values, values_cache = run()
-    assert torch.equal(blocks, values)
-    for a, b in zip(blocks_cache.keys + blocks_cache.values, values_cache.keys + values_cache.values):
-        assert torch.equal(a, b)
+    assert_same_as_per_value_writes(run, monkeypatch)
 
 
 def test_additive_masks_give_the_logits_of_bool_masks(monkeypatch):
