@@ -191,14 +191,14 @@ def test_gathered_rows_keep_the_values_and_the_head_major_layout():
 
 def test_block_writes_are_chosen_for_large_calls_of_consecutive_positions(monkeypatch):
     """cache_write_index picks BlockWrite from BLOCK_WRITE_MIN_TOKENS tokens on when every row's positions
-    are consecutive (not for parked rows clamped to the last slot), and a model call through it
+    are consecutive (not for repeated, gapped or negative slots), and a model call through it
     gives the logits and caches of the per-value write."""
     rows = BLOCK_WRITE_MIN_TOKENS // 4
     ragged = torch.randint(1, 20, (rows, 1), generator=torch.Generator().manual_seed(2)) + torch.arange(4)
     assert isinstance(cache_write_index(ragged, None, 2)[0], BlockWrite)
     assert isinstance(cache_write_index(ragged, None)[0], torch.Tensor)  # no head count: per value
     assert isinstance(cache_write_index(ragged[:-1], None, 2)[0], torch.Tensor)  # below the size
-    for row in ([30, 31, 31, 31], [0, 2, 4, 6], [-1, 0, 1, 2]):  # clamped (a parked row), gapped, negative
+    for row in ([30, 31, 31, 31], [0, 2, 4, 6], [-1, 0, 1, 2]):  # repeated, gapped, negative
         odd = ragged.clone()
         odd[3] = torch.tensor(row)
         assert isinstance(cache_write_index(odd, None, 2)[0], torch.Tensor)
@@ -301,6 +301,50 @@ def test_ragged_rows_give_the_same_distributions_as_each_row_alone():
         pos = torch.arange(0, length + 4)[None]
         ref = alone.probs(torch.tensor([0]), sequence_tokens(labels[row], tokens[row], pos), pos)[:, -4:]
         assert (together[b] - ref[0]).abs().max().item() < TOL
+
+
+def test_parked_rows_take_consecutive_slots_inside_the_cache(monkeypatch):
+    """A call on most of the batch runs on every row, the others parked (GuidedModel._park_other_rows).
+    A parked row with room is fed at the slots from its length on; a finished row near the cache's end at
+    its last n slots, so every row's slots are consecutive and the call writes K/V as blocks. The rows
+    called get the outputs of a call on them alone, bit for bit. Negative control: parked slots clamped
+    to the last one are not consecutive, and the call falls back to per-value writes."""
+    model = tiny_model()
+    batch, max_len, n = 4, 24, 5
+    labels, tokens = random_tokens(batch, seed=9)
+    monkeypatch.setattr(discrete_ar, "BLOCK_WRITE_MIN_TOKENS", 1)  # blocks at this small size too
+    sampling = SamplingParams(cfg_scale=1.5, temperature=1.0, top_k=0, top_p=1.0)
+    lengths = torch.tensor([6, 9, 21, 12])  # row 2 is finished, 3 slots from the end
+    idx, positions = torch.tensor([0, 1, 3]), torch.stack([torch.arange(k, k + n) for k in (6, 9, 12)])
+
+    def stream() -> GuidedModel:
+        s = GuidedModel(model, batch, sampling, max_len)
+        filled = torch.arange(0, 21).expand(batch, -1)
+        s.probs(torch.arange(batch), sequence_tokens(labels, tokens, filled), filled, all_rows=True)
+        s.crop(torch.arange(batch), lengths, all_rows=True)
+        return s
+
+    parked = stream()
+    _, all_positions = parked._park_other_rows(idx, tokens[idx, :n], positions)
+    assert all_positions[2].tolist() == list(range(max_len - n, max_len))
+    assert torch.equal(all_positions[idx], positions)
+    blocks, write = [], BlockWrite.write
+
+    def counted_write(self: BlockWrite, cache: torch.Tensor, x: torch.Tensor) -> None:
+        blocks.append(tuple(x.shape))
+        write(self, cache, x)
+
+    monkeypatch.setattr(BlockWrite, "write", counted_write)
+    fed = sequence_tokens(labels[idx], tokens[idx], positions)
+    with torch.inference_mode():
+        together = parked.probs(idx, fed, positions, prefix=False)
+        assert blocks == [(2 * batch, n, 2, 16)] * 2 * model.config.n_layer  # K and V, every row and layer
+        alone = stream().forward(idx, fed, positions, all_rows=False, prefix=False)
+    assert torch.equal(together, alone)
+
+    clamped = (lengths[:, None] + torch.arange(n)).clamp(max=max_len - 1)
+    clamped[idx] = positions
+    assert isinstance(cache_write_index(torch.cat([clamped, clamped]), None, 2)[0], torch.Tensor)
 
 
 def test_verify_forward_equals_incremental_sampler_distributions():

@@ -263,8 +263,7 @@ def cache_write_index(positions: torch.Tensor, rows: torch.Tensor | None,
 
 
 def _consecutive(positions: torch.Tensor) -> bool:
-    """Whether every row of ``positions [r, n]`` is ``p, p + 1, .., p + n - 1`` with ``p >= 0`` (a parked
-    row of :class:`~specray.methods.discrete.loop.GuidedModel` may be clamped to the last slot)."""
+    """Whether every row of ``positions [r, n]`` is ``p, p + 1, .., p + n - 1`` with ``p >= 0``."""
     starts = positions[:, :1]
     steps = torch.arange(positions.shape[1], device=positions.device)
     return int(starts.min()) >= 0 and torch.equal(positions - starts, steps.expand_as(positions))

@@ -124,13 +124,16 @@ class GuidedModel:
 
         Reading a subset of rows copies their caches (every layer's K and V), which costs more than
         the idle rows' compute once most rows take part; the outputs of ``idx`` are the same bit for
-        bit (every op is row-wise). A parked row is fed token 0 at the slots from its cache length on
-        (clamped to the cache): slots at or past a row's length are rewritten before any query reads
-        them, and a finished row's cache is never read again.
+        bit (every op is row-wise). A parked row is fed token 0 at the ``n`` slots from its cache length
+        on, or at the cache's last ``n`` slots where those would pass its end: slots at or past a row's
+        length are rewritten before any query reads them, and only a finished row comes that close to
+        the end (a row with tokens left has room for its next call), whose cache is never read again.
+        Consecutive slots on every row let the call write its K/V as blocks
+        (:func:`~specray.models.discrete_ar.cache_write_index`).
         """
         n = tokens.shape[1]
-        parked = self.cache.lengths[: self.batch, None] + torch.arange(n, device=idx.device)
-        all_positions = parked.clamp(max=self.cache.max_len - 1)
+        starts = self.cache.lengths[: self.batch, None].clamp(max=self.cache.max_len - n)
+        all_positions = starts + torch.arange(n, device=idx.device)
         all_positions[idx] = positions
         all_tokens = torch.zeros(self.batch, n, dtype=tokens.dtype, device=tokens.device)
         all_tokens[idx] = tokens
