@@ -310,11 +310,11 @@ def test_parked_rows_take_consecutive_slots_inside_the_cache(monkeypatch):
     called get the outputs of a call on them alone, bit for bit. Negative control: parked slots clamped
     to the last one are not consecutive, and the call falls back to per-value writes."""
     model = tiny_model()
-    batch, max_len, n = 4, 24, 5
+    batch, max_len, n = 5, 24, 5
     labels, tokens = random_tokens(batch, seed=9)
     monkeypatch.setattr(discrete_ar, "BLOCK_WRITE_MIN_TOKENS", 1)  # blocks at this small size too
     sampling = SamplingParams(cfg_scale=1.5, temperature=1.0, top_k=0, top_p=1.0)
-    lengths = torch.tensor([6, 9, 21, 12])  # row 2 is finished, 3 slots from the end
+    lengths = torch.tensor([6, 9, 21, 12, 10])  # row 2 is finished, 3 slots from the end; row 4 sits out
     idx, positions = torch.tensor([0, 1, 3]), torch.stack([torch.arange(k, k + n) for k in (6, 9, 12)])
 
     def stream() -> GuidedModel:
@@ -327,6 +327,7 @@ def test_parked_rows_take_consecutive_slots_inside_the_cache(monkeypatch):
     parked = stream()
     _, all_positions = parked._park_other_rows(idx, tokens[idx, :n], positions)
     assert all_positions[2].tolist() == list(range(max_len - n, max_len))
+    assert all_positions[4].tolist() == list(range(10, 10 + n))  # from its length on: slots it rewrites later
     assert torch.equal(all_positions[idx], positions)
     blocks, write = [], BlockWrite.write
 
