@@ -17,7 +17,9 @@ from specray.models.discrete_ar import (
     BlockWrite,
     DiscreteGPT,
     GPTConfig,
+    apply_rope,
     apply_rotary,
+    apply_rotary_complex,
     apply_rotary_factors,
     cache_write_index,
     flops_per_token,
@@ -25,6 +27,7 @@ from specray.models.discrete_ar import (
     kv_slots,
     load_model,
     load_pair,
+    rotary_complex,
     rotary_factors,
 )
 from specray.models.discrete_train import TrainConfig, heldout_nll, save_model, train_model
@@ -109,6 +112,31 @@ def test_rotary_pair_swap_by_slices_and_by_gather_give_the_reference_bits():
         reference = apply_rotary(x, rope)
         assert torch.equal(apply_rotary_factors(x, rotary_factors(rope), swap), reference)
         assert torch.equal(apply_rotary_factors(x, rotary_factors(rope)), reference)  # no index: slices
+
+
+def test_rotary_as_one_complex_product_gives_the_reference_bits():
+    """apply_rotary_complex equals apply_rotary bit for bit on the CPU, at head sizes whose pairs fill
+    less than a vector (16: the kernel's scalar loop) and several (64, 128: its vector loop), on a
+    strided q/k view like Attention's, with angles over many turns. A product with a fused multiply-add
+    would round once instead of twice and differ in some of these 300k values."""
+    g = torch.Generator().manual_seed(4)
+    for head_dim, rows, n in ((16, 2, 1), (16, 256, 5), (64, 3, 7), (64, 64, 5), (128, 16, 3)):
+        qkv = torch.randn(rows, n, 3 * 8 * head_dim, generator=g) * 4
+        x = qkv[..., : 8 * head_dim].view(rows, n, 8, head_dim)  # the q and k heads of a fused projection
+        angles = torch.rand(rows, n, head_dim // 2, generator=g) * 200
+        rope = torch.stack([torch.cos(angles), torch.sin(angles)], dim=-1)
+        reference = apply_rotary(x, rope)
+        assert torch.equal(apply_rotary_complex(x, rotary_complex(rope)), reference), (head_dim, rows, n)
+        assert torch.equal(apply_rope(x, rotary_complex(rope)), apply_rope(x, rotary_factors(rope)))
+
+
+def test_forward_step_rotates_by_complex_products_only_in_cpu_float32_inference():
+    model = DiscreteGPT(GPTConfig(vocab_size=16, dim=32, n_layer=1, n_head=2, grid_size=4, num_classes=3))
+    positions = torch.tensor([[1, 2]])
+    with torch.no_grad():
+        assert isinstance(model._rotary(positions), torch.Tensor)  # the complex form
+        assert isinstance(model.double()._rotary(positions), tuple)  # float64: the real pair
+    assert isinstance(model.float()._rotary(positions), tuple)  # autograd on: the real pair
 
 
 def per_value_write_index(positions: torch.Tensor, rows: torch.Tensor | None, n_head: int | None = None):

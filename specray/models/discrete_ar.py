@@ -180,7 +180,7 @@ class Attention(nn.Module):
         kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor] | None,
         compiled: bool = False,
     ) -> torch.Tensor:
-        """``x [R, n, D]``; ``rope`` = :func:`rotary_factors`; ``mask [R, 1, n, S]``: bool (True = may attend),
+        """``x [R, n, D]``; ``rope``: see :func:`apply_rope`; ``mask [R, 1, n, S]``: bool (True = may attend),
         or its :func:`additive_mask` (on a CPU the eager calls over the cache build it once for every layer).
 
         ``kv`` = (k_cache, v_cache, read_rows, write_rows, positions): cache tensors
@@ -193,7 +193,7 @@ class Attention(nn.Module):
         r, n, d = x.shape
         qkv = F.linear(x, self.wqkv.weight)  # module call overhead matters at these sizes
         # Rotate q and k in one pass (elementwise, so bit-identical to rotating them apart).
-        qk = apply_rotary_factors(qkv[..., : 2 * d].view(r, n, 2 * self.n_head, self.head_dim), rope, self.pair_swap)
+        qk = apply_rope(qkv[..., : 2 * d].view(r, n, 2 * self.n_head, self.head_dim), rope, self.pair_swap)
         q = qk[:, :, : self.n_head]
         k = qk[:, :, self.n_head :]
         v = qkv[..., 2 * d :].view(r, n, self.n_head, self.head_dim)
@@ -412,6 +412,50 @@ def apply_rotary_factors(x: torch.Tensor, factors: tuple[torch.Tensor, torch.Ten
     return x * cos + swapped * sin
 
 
+def rotary_complex(rope: torch.Tensor) -> torch.Tensor:
+    """``rope [R, n, hd/2, 2]`` (float32 or float64, pairs contiguous) as complex ``[R, n, 1, hd/2]``
+    for :func:`apply_rotary_complex` (a view: no copy)."""
+    return torch.view_as_complex(rope)[:, :, None]
+
+
+def apply_rotary_complex(x: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
+    """:func:`apply_rotary` as one complex product of each pair ``a + ib`` with ``c + is``: ``(ac − bs) +
+    i(as + bc)``. On a CPU its kernels round each product and each sum once, as apply_rotary does (no
+    fused multiply-add), so the bits are the same (tests/test_discrete_model.py), in one kernel instead
+    of four. ``x [R, n, H, hd]`` float32 with its last dimension contiguous."""
+    return torch.view_as_real(torch.view_as_complex(x.unflatten(-1, (-1, 2))) * factor).flatten(-2)
+
+
+def complex_rotary_applies(table: torch.Tensor) -> bool:
+    """Whether a forward rotates q and k by :func:`apply_rotary_complex`: in float32 inference on a CPU,
+    outside torch.compile's capture (the compiled step keeps the real form, which it fuses)."""
+    return (table.device.type == "cpu" and table.dtype == torch.float32 and not torch.is_grad_enabled()
+            and not torch.compiler.is_compiling())
+
+
+def rotary_at(positions: torch.Tensor, table: torch.Tensor,
+              factors: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """The rotary factors of ``positions`` for every layer of a forward (:func:`apply_rope`), read from
+    a model's tables: ``table [L, hd/2, 2]`` (:func:`precompute_rope_2d`) and ``factors [L, 2, hd]``
+    (its :func:`rotary_factors`, stacked). Complex where :func:`complex_rotary_applies`, else the
+    ``(cos, sin)`` pair. Positions past the table (slots whose outputs are discarded: the padding
+    of a row's last round) read its last row."""
+    index = positions.clamp(0, table.shape[0] - 1)
+    if complex_rotary_applies(table):
+        return rotary_complex(table[index])
+    stacked = factors[index]  # [r, n, 2, hd]
+    return stacked[:, :, 0:1], stacked[:, :, 1:2]
+
+
+def apply_rope(x: torch.Tensor, rope: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
+               pair_swap: torch.Tensor | None = None) -> torch.Tensor:
+    """Rotate ``x [R, n, H, hd]`` by a forward's rotary factors: a complex tensor
+    (:func:`rotary_complex`) or a ``(cos, sin)`` pair (:func:`rotary_factors`); the same bits."""
+    if isinstance(rope, torch.Tensor):
+        return apply_rotary_complex(x, rope)
+    return apply_rotary_factors(x, rope, pair_swap)
+
+
 def kv_slots(*leading: int, max_len: int, n_head: int, head_dim: int, like: torch.Tensor) -> torch.Tensor:
     """Zeroed K or V slots ``[*leading, max_len, n_head, head_dim]`` (the cache's index order) stored
     head-major, ``[*leading, n_head, max_len, head_dim]`` in memory: attention reads each head's keys
@@ -517,15 +561,8 @@ class DiscreteGPT(nn.Module):
         tok = self.tok_embeddings(torch.where(is_prefix, 0, tokens).clamp(0, self.config.vocab_size - 1))
         return torch.where(is_prefix[..., None], cls, tok)
 
-    def _rope(self, positions: torch.Tensor) -> torch.Tensor:
-        # Positions past the last fed one can occur for slots whose outputs are discarded
-        # (padding of a row's final round); clamp them to a valid table row.
-        return self.rope_table[positions.clamp(0, self.rope_table.shape[0] - 1)]
-
-    def _rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``rotary_factors(self._rope(positions))``, read from the precomputed table."""
-        factors = self.rope_factors[positions.clamp(0, self.rope_factors.shape[0] - 1)]  # [r, n, 2, hd]
-        return factors[:, :, 0:1], factors[:, :, 1:2]
+    def _rotary(self, positions: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        return rotary_at(positions, self.rope_table, self.rope_factors)
 
     # ---- training / full-sequence forward ----------------------------------------------
 

@@ -38,6 +38,7 @@ from specray.models.discrete_ar import (
     RMSNorm,
     kv_slots,
     precompute_rope_2d,
+    rotary_at,
     rotary_factors,
 )
 from specray.models.draft_formats import HEAD_KIND, EagleHeadFile
@@ -113,8 +114,8 @@ class EagleHead(nn.Module):
         self.embed_tokens.weight.requires_grad_(False)  # a frozen copy of the target's
         self.fc = nn.Linear(2 * config.dim, config.dim, bias=config.fc_bias)
         self.layer = EagleLayer(config)
-        rope_table = precompute_rope_2d(config)  # type: ignore[arg-type]
-        cos, sin = rotary_factors(rope_table[None])
+        self.register_buffer("rope_table", precompute_rope_2d(config), persistent=False)  # type: ignore[arg-type]
+        cos, sin = rotary_factors(self.rope_table[None])
         self.register_buffer("rope_factors", torch.cat([cos, sin], dim=2)[0], persistent=False)
 
     @classmethod
@@ -137,9 +138,8 @@ class EagleHead(nn.Module):
             if getattr(c, name) != getattr(t, name):
                 raise ValueError(f"EAGLE head {name}={getattr(c, name)!r} does not match the target's {getattr(t, name)!r}")
 
-    def _rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        factors = self.rope_factors[positions.clamp(0, self.rope_factors.shape[0] - 1)]
-        return factors[:, :, 0:1], factors[:, :, 1:2]
+    def _rotary(self, positions: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        return rotary_at(positions, self.rope_table, self.rope_factors)
 
     def _input(self, features: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         embedded = F.embedding(tokens.clamp(0, self.config.vocab_size - 1), self.embed_tokens.weight)
