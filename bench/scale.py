@@ -5,6 +5,11 @@ on a local Ray, this process being the driver, and prints the wall time, the thr
 driver's peak resident memory. The driver holds only shard ranges and counters, so its peak RSS
 must not grow with the sample count: compare ``--per-class 500`` with ``--per-class 5000``.
 
+It then reads the committed rows back and prints each arm's seconds in batches (the sum and the
+median batch, on the actors) and each actor's busy seconds. Two runs of one job differ by the
+machine's state as well as by the code: an arm whose code a change leaves alone (``target_only``,
+usually) measures the machine, and the wall time not spent in batches measures the runtime.
+
     OMP_NUM_THREADS=1 python bench/scale.py --per-class 500 --output /tmp/specray-scale-5k
     nohup python bench/scale.py --per-class 5000 --output /tmp/specray-scale-50k > scale50k.log 2>&1 &
 
@@ -54,6 +59,37 @@ class RssSampler(threading.Thread):
             self.samples.append((time.monotonic() - started, current_rss_mb()))
 
 
+def batch_seconds(output: str, batch_size: int) -> dict[str, dict[str, float]]:
+    """Per arm, its batches' count, summed seconds and median seconds; per actor (``"actor:NAME"``),
+    its summed seconds. A batch is counted once, keyed as the reducer's speedups key it (actor,
+    shard, batch), though each of its rows carries its wall time."""
+    import numpy as np
+
+    from specray.eval.shards import iter_shard_batches, read_manifest
+    from specray.eval.speedup import BatchTimes
+    from specray.runtime.store import RunStore
+
+    store = RunStore(output)
+    times: dict[str, BatchTimes] = {}
+    for entry in read_manifest(store).shards:
+        arm_times = times.setdefault(entry.arm, BatchTimes())
+        for batch in iter_shard_batches(store, entry):
+            actors = batch.column("actor").to_pylist() if "actor" in batch.schema.names else [""] * batch.num_rows
+            ids = batch.column("sample_id").to_pylist()
+            for actor, sample_id, wall in zip(actors, ids, batch.column("batch_wall_time_s").to_pylist()):
+                arm_times.add((str(actor), entry.shard, sample_id // batch_size), wall, 1)
+    numbers: dict[str, dict[str, float]] = {}
+    busy: dict[str, float] = {}
+    for arm, arm_times in times.items():
+        walls = list(arm_times.walls.values())
+        numbers[arm] = {"batches": len(walls), "seconds": float(sum(walls)), "median_batch_s": float(np.median(walls))}
+        for (actor, _, _), wall in arm_times.walls.items():
+            busy[actor] = busy.get(actor, 0.0) + wall
+    for actor, seconds in sorted(busy.items()):
+        numbers[f"actor:{actor}"] = {"seconds": seconds}
+    return numbers
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--per-class", type=int, default=500)
@@ -93,7 +129,13 @@ def main() -> None:
         "driver_rss_end_mb": round(current_rss_mb(), 1),
         "driver_peak_rss_mb": round(peak_rss_mb(), 1),
     }
+    numbers["batch_seconds"] = batch_seconds(spec.output, spec.batch_size)
     print(json.dumps(numbers, indent=2))
+    for name, row in numbers["batch_seconds"].items():
+        if name.startswith("actor:"):
+            print(f"{name}: {row['seconds']:.1f} s in batches of {numbers['wall_time_s']} s wall")
+        else:
+            print(f"{name}: {row['batches']} batches, {row['seconds']:.1f} s, median batch {row['median_batch_s']:.3f} s")
     print(f"wall time {wall / 60:.1f} min for {numbers['rows']} rows ({numbers['rows_per_s']} rows/s, "
           f"{result.actors} actors); driver peak RSS {numbers['driver_peak_rss_mb']} MB")
     if args.json:

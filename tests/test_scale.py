@@ -12,6 +12,7 @@ from __future__ import annotations
 import io
 import json
 import re
+import statistics
 import subprocess
 import sys
 
@@ -104,3 +105,25 @@ def test_driver_peak_memory_does_not_grow_with_samples(tmp_path):
     large = driver_peak(tmp_path, 1000)
     assert (small["rows"], large["rows"]) == (800, 8000) and large["tasks"] == 40
     assert large["peak_rss_mb"] - small["peak_rss_mb"] < 25.0, (small, large)
+
+
+def test_scale_bench_counts_each_batch_once_per_arm_and_actor(tmp_path):
+    """bench/scale.py's split of a run's time. Every row carries its batch's wall time: a sum over
+    rows would give 20 times these figures, and keys without the actor would merge the two actors."""
+    sys.path.insert(0, str(REPO_ROOT))
+    from bench.scale import batch_seconds
+    from tests.eval_synthetic import SyntheticArm, write_run
+
+    # 200 samples in batches of 20, 2 shards of 5 batches, shard k on actor-k; walls as write_run makes them
+    write_run(str(tmp_path), [SyntheticArm("target_only"), SyntheticArm("sd", method="sd", seconds_per_sample=0.004)],
+              per_class=20, batch_size=20, shard_batches=5)
+    walls = {arm: [per_sample * 20 * (1.0 + 0.05 * (b % 3)) for b in range(10)]
+             for arm, per_sample in (("target_only", 0.01), ("sd", 0.004))}
+    numbers = batch_seconds(str(tmp_path), 20)
+    for arm, arm_walls in walls.items():
+        assert numbers[arm]["batches"] == 10
+        assert numbers[arm]["seconds"] == pytest.approx(sum(arm_walls))
+        assert numbers[arm]["median_batch_s"] == pytest.approx(statistics.median(arm_walls))
+    for k in range(2):
+        expected = sum(w for arm_walls in walls.values() for w in arm_walls[5 * k: 5 * k + 5])
+        assert numbers[f"actor:actor-{k}"]["seconds"] == pytest.approx(expected)
