@@ -66,7 +66,7 @@ def batch_seconds(output: str, batch_size: int) -> dict[str, dict[str, float]]:
     import numpy as np
 
     from specray.eval.shards import iter_shard_batches, read_manifest
-    from specray.eval.speedup import BatchTimes
+    from specray.eval.speedup import BatchTimes, record_batch_times
     from specray.runtime.store import RunStore
 
     store = RunStore(output)
@@ -74,10 +74,8 @@ def batch_seconds(output: str, batch_size: int) -> dict[str, dict[str, float]]:
     for entry in read_manifest(store).shards:
         arm_times = times.setdefault(entry.arm, BatchTimes())
         for batch in iter_shard_batches(store, entry):
-            actors = batch.column("actor").to_pylist() if "actor" in batch.schema.names else [""] * batch.num_rows
-            ids = batch.column("sample_id").to_pylist()
-            for actor, sample_id, wall in zip(actors, ids, batch.column("batch_wall_time_s").to_pylist()):
-                arm_times.add((str(actor), entry.shard, sample_id // batch_size), wall, 1)
+            sample_ids = batch.column("sample_id").to_numpy().astype(np.int64)
+            record_batch_times(arm_times, batch, entry.shard, sample_ids, batch_size)
     numbers: dict[str, dict[str, float]] = {}
     busy: dict[str, float] = {}
     for arm, arm_times in times.items():

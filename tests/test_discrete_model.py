@@ -130,7 +130,7 @@ def test_rotary_as_one_complex_product_gives_the_reference_bits():
         assert torch.equal(apply_rope(x, rotary_complex(rope)), apply_rope(x, rotary_factors(rope)))
 
 
-def test_forward_step_rotates_by_complex_products_only_in_cpu_float32_inference():
+def test_rotary_factors_are_complex_only_in_cpu_float32_inference():
     model = DiscreteGPT(GPTConfig(vocab_size=16, dim=32, n_layer=1, n_head=2, grid_size=4, num_classes=3))
     positions = torch.tensor([[1, 2]])
     with torch.no_grad():

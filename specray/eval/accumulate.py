@@ -21,7 +21,7 @@ from specray.eval.bootstrap import BootstrapMoments, poisson_weights
 from specray.eval.extractors import FeatureSet
 from specray.eval.fid import FeatureMoments
 from specray.eval.quality import InceptionScoreAccumulator, PrcKeeper
-from specray.eval.speedup import BatchTimes
+from specray.eval.speedup import BatchTimes, record_batch_times
 
 
 @dataclass
@@ -215,14 +215,5 @@ class ArmAccumulator:
                 self.images = None  # over budget: streamed statistics only
 
     def _record_times(self, batch: pa.RecordBatch, shard: int, sample_ids: np.ndarray) -> None:
-        walls = batch.column("batch_wall_time_s").to_numpy()
-        sizes = batch.column("batch_size").to_numpy().astype(np.int64)
-        if "actor" in batch.schema.names:
+        if record_batch_times(self.times, batch, shard, sample_ids, self.nominal_batch_size):
             self.has_actor_column = True
-            actors = ["" if a is None else str(a) for a in batch.column("actor").to_pylist()]
-        else:
-            actors = [""] * batch.num_rows  # rows of one shard task ran on one actor
-        nominal = self.nominal_batch_size or int(sizes.max())
-        batch_index = sample_ids // nominal  # the plan cuts batches at multiples of the batch size
-        for actor, index, wall in zip(actors, batch_index.tolist(), walls.tolist()):
-            self.times.add((actor, shard, index), wall, 1)

@@ -19,11 +19,14 @@ shard's first is dropped -- a superset of the true warm-up batches).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from specray.eval.bootstrap import bootstrap_statistic
+
+if TYPE_CHECKING:
+    import pyarrow as pa
 
 BatchKey = tuple[str, int, int]  # (actor, shard index, batch index)
 
@@ -59,6 +62,23 @@ class BatchTimes:
             kept.walls[key] = wall
             kept.rows[key] = self.rows[key]
         return kept
+
+
+def record_batch_times(times: BatchTimes, batch: pa.RecordBatch, shard: int, sample_ids: np.ndarray,
+                       nominal_batch_size: int | None) -> bool:
+    """Add a record batch of one shard's rows to ``times``: each row under (actor, shard, batch index),
+    the index ``sample_id // nominal_batch_size`` (the plan cuts batches at multiples of the batch
+    size; None: the rows' largest ``batch_size``). Returns whether the rows have an actor column."""
+    walls = batch.column("batch_wall_time_s").to_numpy()
+    has_actor = "actor" in batch.schema.names
+    if has_actor:
+        actors = ["" if a is None else str(a) for a in batch.column("actor").to_pylist()]
+    else:
+        actors = [""] * batch.num_rows  # rows of one shard task ran on one actor
+    nominal = nominal_batch_size or int(batch.column("batch_size").to_numpy().astype(np.int64).max())
+    for actor, index, wall in zip(actors, (sample_ids // nominal).tolist(), walls.tolist()):
+        times.add((actor, shard, index), wall, 1)
+    return has_actor
 
 
 @dataclass
