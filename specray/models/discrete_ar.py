@@ -433,6 +433,16 @@ def complex_rotary_applies(table: torch.Tensor) -> bool:
             and not torch.compiler.is_compiling())
 
 
+def register_rotary_tables(module: nn.Module, config: Any) -> None:
+    """Give ``module`` the tables :func:`rotary_at` reads, as non-persistent buffers (checkpoints hold
+    neither): ``rope_table`` (:func:`precompute_rope_2d` of ``config``) and ``rope_factors``, the
+    :func:`rotary_factors` of every table row stacked as (cos, sin) ``[L, 2, hd]`` (one index op per
+    forward)."""
+    module.register_buffer("rope_table", precompute_rope_2d(config), persistent=False)
+    cos, sin = rotary_factors(module.rope_table[None])
+    module.register_buffer("rope_factors", torch.cat([cos, sin], dim=2)[0], persistent=False)
+
+
 def rotary_at(positions: torch.Tensor, table: torch.Tensor,
               factors: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """The rotary factors of ``positions`` for every layer of a forward (:func:`apply_rope`), read from
@@ -519,10 +529,7 @@ class DiscreteGPT(nn.Module):
         self.layers = nn.ModuleList(TransformerBlock(config) for _ in range(config.n_layer))
         self.norm = RMSNorm(config.dim, config.norm_eps)
         self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
-        self.register_buffer("rope_table", precompute_rope_2d(config), persistent=False)
-        # rotary_factors of every table row, stacked (cos, sin) -> [L, 2, hd]: one index op per forward.
-        cos, sin = rotary_factors(self.rope_table[None])
-        self.register_buffer("rope_factors", torch.cat([cos, sin], dim=2)[0], persistent=False)
+        register_rotary_tables(self, config)
         self.apply(self._init_weights)
         # torch.compile of decode_all_rows, set by specray.models.compiled.compile_gpt (None: eager).
         self.compiled_decode: Any = None

@@ -37,9 +37,8 @@ from specray.models.discrete_ar import (
     KVCache,
     RMSNorm,
     kv_slots,
-    precompute_rope_2d,
+    register_rotary_tables,
     rotary_at,
-    rotary_factors,
 )
 from specray.models.draft_formats import HEAD_KIND, EagleHeadFile
 
@@ -114,9 +113,7 @@ class EagleHead(nn.Module):
         self.embed_tokens.weight.requires_grad_(False)  # a frozen copy of the target's
         self.fc = nn.Linear(2 * config.dim, config.dim, bias=config.fc_bias)
         self.layer = EagleLayer(config)
-        self.register_buffer("rope_table", precompute_rope_2d(config), persistent=False)  # type: ignore[arg-type]
-        cos, sin = rotary_factors(self.rope_table[None])
-        self.register_buffer("rope_factors", torch.cat([cos, sin], dim=2)[0], persistent=False)
+        register_rotary_tables(self, config)
 
     @classmethod
     def for_target(cls, target: DiscreteGPT, **overrides: Any) -> "EagleHead":
