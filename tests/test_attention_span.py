@@ -89,6 +89,55 @@ def test_forward_step_logits_are_the_whole_cache_logits(whole_cache, monkeypatch
         assert torch.equal(a, b), f"call {i}"
 
 
+def test_span_stops_at_the_slots_real_tokens_occupy():
+    positions = torch.tensor([[61, 62, 63, 64, 65], [40, 41, 42, 43, 44]])  # a padded verify's tail past 63
+    assert attention_span(positions, 69) == 69
+    assert attention_span(positions, 69, fed=64) == 64
+    assert attention_span(positions[1:], 69, fed=64) == 48  # below the cap: rounded up as before
+    with pytest.raises(ValueError, match="position"):
+        attention_span(positions + 4, 69, "position", fed=64)  # still refuses slots past the cache
+
+
+def test_padding_past_max_seq_len_leaves_the_real_logits_whole_cache_ones(whole_cache, monkeypatch):
+    """A verify whose padded tail and a parked row pass ``max_seq_len`` (as in a speculative loop's
+    last rounds): every call attends over ``max_seq_len`` slots, and the logits at real positions
+    are the whole cache's bit for bit. The padding's logits differ (it sees fewer slots), so the
+    comparison does see what the span cuts off."""
+    torch.manual_seed(0)
+    model = DiscreteGPT(GPTConfig(dim=32, n_layer=2, n_head=2)).eval()
+    spans = []
+    sdpa = F.scaled_dot_product_attention
+
+    def recording(q, k, v, **kwargs):
+        spans.append(k.shape[-2])
+        return sdpa(q, k, v, **kwargs)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", recording)
+
+    def calls() -> list[torch.Tensor]:
+        torch.manual_seed(1)
+        cache = model.new_cache(3, model.max_seq_len + 5)
+        model.forward_step(torch.tensor([[1], [5], [8]]), torch.zeros(3, 1, dtype=torch.int64), cache)
+        for t in range(1, 62):
+            model.forward_step(torch.randint(0, 17, (3, 1)), torch.full((3, 1), t), cache, prefix=False)
+        spans.clear()
+        verify = torch.tensor([[61], [59], [57]]) + torch.arange(5)  # row 0: positions 64, 65 are padding
+        parked = torch.tensor([[66], [62], [60]])  # row 0 parked at the cache's end
+        return [model.forward_step(torch.randint(0, 17, (3, 5)), verify, cache, prefix=False),
+                model.forward_step(torch.randint(0, 17, (3, 1)), parked, cache, prefix=False)]
+
+    with torch.inference_mode():
+        capped = calls()
+        assert set(spans) == {model.max_seq_len}
+        whole_cache()
+        whole = calls()
+        assert set(spans) == {model.max_seq_len + 5}
+    verify_real = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 1, 1, 1, 1]], dtype=torch.bool)
+    assert torch.equal(capped[0][verify_real], whole[0][verify_real])
+    assert torch.equal(capped[1][1:], whole[1][1:])
+    assert not torch.equal(capped[0][0, 3:], whole[0][0, 3:]) and not torch.equal(capped[1][0], whole[1][0])
+
+
 def test_caption_model_logits_are_the_whole_cache_logits(whole_cache):
     """The 120-slot caption prefix (its padding masked as keys), then one token per call."""
     ref = reference("llamagen_t2i")

@@ -216,7 +216,7 @@ class Attention(nn.Module):
         return self.resid_dropout(out) if self.training else out
 
 
-def attention_span(last_slots: torch.Tensor, max_len: int, what: str = "slot") -> int:
+def attention_span(last_slots: torch.Tensor, max_len: int, what: str = "slot", fed: int | None = None) -> int:
     """How many leading cache slots a call whose queries see no slot past ``last_slots`` attends over
     (refusing, as :func:`_check_slots`, slots past the cache; ``what`` names them in the error).
 
@@ -224,11 +224,17 @@ def attention_span(last_slots: torch.Tensor, max_len: int, what: str = "slot") -
     of :data:`ATTENTION_SPAN_BLOCK` past :data:`ATTENTION_SPAN_SHORT` (at most ``max_len``); reading
     the scalar is a host sync, free there. Elsewhere, and while torch.compile captures a step (static
     shapes, no sync), the whole cache.
+
+    ``fed``: the slots a real token can occupy (slot = position, :attr:`DiscreteGPT.max_seq_len`). A
+    query past them is padding whose output the caller discards, so on a CPU the span stops there:
+    a speculative loop's padded last verify or a parked row would otherwise make every row of the
+    call attend over the whole cache (69 slots of the presets' speculative cache against 64, the
+    five past a whole vector costing the kernel about a fifth more).
     """
     last = None if torch.compiler.is_compiling() else _check_slots(what, last_slots, max_len)
     if last is None:
         return max_len
-    needed = last + 1
+    needed = last + 1 if fed is None else min(last + 1, fed)
     span = -(-needed // ATTENTION_SPAN_QUANTUM) * ATTENTION_SPAN_QUANTUM
     if span > ATTENTION_SPAN_SHORT:
         span = -(-needed // ATTENTION_SPAN_BLOCK) * ATTENTION_SPAN_BLOCK
@@ -636,7 +642,9 @@ class DiscreteGPT(nn.Module):
         Writes their K/V into cache rows ``rows`` (default: all cache rows in order, read
         without a gather copy; the first ``r`` rows when ``r < cache.rows``) at slots ``positions`` and sets those rows' length to
         ``last position + 1``. A token at position 0 is a class label.
-        Positions of a row must be consecutive and start at or before its cache length.
+        Positions of a row must be consecutive and start at or before its cache length. A position
+        at or past :attr:`max_seq_len` (a padded verify's tail, a parked row) is padding: its logits are
+        not the model's (on a CPU it sees the first ``max_seq_len`` slots only, :func:`attention_span`).
         ``prefix=False`` promises that no position is 0 (skips the class-embedding path; same result).
         A caption model's position 0 (a caption id, see :mod:`specray.models.captions`) fills its
         ``cls_token_num`` prefix slots; every row of such a call must start at position 0.
@@ -671,7 +679,8 @@ class DiscreteGPT(nn.Module):
                        values: list[torch.Tensor], lengths: torch.Tensor, rows: torch.Tensor | None,
                        compiled: bool = False) -> torch.Tensor:
         """The layers over the cache from the embedded inputs ``h [r, n, D]``; logits ``[r, n, V]`` float32."""
-        span = attention_span(positions, keys[0].shape[1], "position")  # refuses positions past the cache
+        # Refuses positions past the cache; a query past max_seq_len is padding (attention_span).
+        span = attention_span(positions, keys[0].shape[1], "position", fed=self.max_seq_len)
         rope = self._rotary(positions)
         slots = torch.arange(span, device=h.device)
         mask = (slots[None, None, :] <= positions[:, :, None])[:, None]  # [r, 1, n, span]
@@ -706,7 +715,7 @@ class DiscreteGPT(nn.Module):
             slots = torch.cat([prefix_slots, slots[:, 1:]], dim=1)
         else:
             h = tok
-        span = attention_span(slots, cache.max_len)  # refuses slots past the cache
+        span = attention_span(slots, cache.max_len, fed=self.max_seq_len)  # refuses slots past the cache
         rope = self._rotary(slots)
         key_slots = torch.arange(span, device=tokens.device)
         valid = cache.prefix_valid if rows is None else cache.prefix_valid[rows]
