@@ -141,9 +141,10 @@ def random_bits(
     """
     if device is None and isinstance(sample_ids, torch.Tensor):
         device = sample_ids.device
-    sid, pos, stp = torch.broadcast_tensors(_as_long(sample_ids, device), _as_long(position, device),
-                                            _as_long(step, device))
-    return bits_at(extend_hash(stream_hash(seed, sid, stream), pos, stp), shape)
+    # The hash is elementwise, so each field is mixed in at its own shape and the key broadcasts as
+    # the fields come in: the bits of hashing the broadcast key, with the early mixes on fewer
+    # elements (a loop's [samples, positions, steps] uniforms hash each sample id once, not per element).
+    return bits_at(extend_hash(stream_hash(seed, sample_ids, stream, device), position, step), shape)
 
 
 def _to_uniform(bits: torch.Tensor) -> torch.Tensor:

@@ -38,6 +38,34 @@ def test_per_row_positions_broadcast():
         assert batched[i] == rng.uniform(0, ids[i : i + 1], "x", position=int(pos[i]))[0]
 
 
+def _splitmix_reference(seed: int, sample_id: int, stream: str, position: int, step: int, index: int) -> int:
+    """The documented key hash on Python ints, one key at a time: SplitMix64's finaliser over
+    seed, sample id, stream, position, step and the element index (times the golden gamma)."""
+    m64 = (1 << 64) - 1
+
+    def mix(z: int) -> int:
+        z = (z + 0x9E3779B97F4A7C15) & m64
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & m64
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & m64
+        return z ^ (z >> 31)
+
+    h = mix(mix(seed) ^ sample_id)
+    for field in (rng.stream_id(stream), position, step, (index * 0x9E3779B97F4A7C15) & m64):
+        h = mix(h ^ field)
+    return h - (1 << 64) if h >> 63 else h  # as int64
+
+
+def test_broadcast_keys_draw_the_reference_bits():
+    """Sample ids, positions and steps on three different axes (as a loop's chunk of rounds asks
+    for them), with a trailing shape: every element is the scalar reference hash of its own key."""
+    ids, pos, steps = torch.tensor([3, 90]), torch.tensor([0, 7, 63]), torch.tensor([1, 5])
+    bits = rng.random_bits(11, ids[:, None, None], "accept", pos[None, :, None], steps[None, None, :], shape=(2,))
+    assert bits.shape == (2, 3, 2, 2)
+    for (b, p, s, j), value in zip(torch.cartesian_prod(*(torch.arange(n) for n in bits.shape)).tolist(),
+                                   bits.flatten().tolist()):
+        assert value == _splitmix_reference(11, int(ids[b]), "accept", int(pos[p]), int(steps[s]), j)
+
+
 def test_uniform_and_normal_distributions():
     # N = 200k draws, seed 0; KS at level 1e-3 (critical value 1.95/sqrt(N)).
     n = 200_000
