@@ -49,6 +49,26 @@ def test_sdpa_over_the_span_equals_the_whole_cache_bit_for_bit(rows, n, max_len)
     assert exact_differs > 0
 
 
+@pytest.fixture
+def small_model():
+    torch.manual_seed(0)
+    return DiscreteGPT(GPTConfig(dim=32, n_layer=2, n_head=2)).eval()
+
+
+@pytest.fixture
+def spans(monkeypatch):
+    """The key length of every SDPA call, in order."""
+    recorded = []
+    sdpa = F.scaled_dot_product_attention
+
+    def recording(q, k, v, **kwargs):
+        recorded.append(k.shape[-2])
+        return sdpa(q, k, v, **kwargs)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", recording)
+    return recorded
+
+
 def ragged_calls(model: DiscreteGPT) -> list[torch.Tensor]:
     """Logits of a loop-like sequence of calls on 4 rows: prefill, decode steps, a 5-token verify on
     some rows at their own positions, and a call over every row with two parked far ahead."""
@@ -67,17 +87,8 @@ def ragged_calls(model: DiscreteGPT) -> list[torch.Tensor]:
     return out
 
 
-def test_forward_step_logits_are_the_whole_cache_logits(whole_cache, monkeypatch):
-    torch.manual_seed(0)
-    model = DiscreteGPT(GPTConfig(dim=32, n_layer=2, n_head=2)).eval()
-    spans = []
-    sdpa = F.scaled_dot_product_attention
-
-    def recording(q, k, v, **kwargs):
-        spans.append(k.shape[-2])
-        return sdpa(q, k, v, **kwargs)
-
-    monkeypatch.setattr(F, "scaled_dot_product_attention", recording)
+def test_forward_step_logits_are_the_whole_cache_logits(whole_cache, small_model, spans):
+    model = small_model
     with torch.inference_mode():
         with_spans = ragged_calls(model)
         assert min(spans) == 16 and max(spans) < model.max_seq_len + 5  # the spans are in use
@@ -98,21 +109,12 @@ def test_span_stops_at_the_slots_real_tokens_occupy():
         attention_span(positions + 4, 69, "position", fed=64)  # still refuses slots past the cache
 
 
-def test_padding_past_max_seq_len_leaves_the_real_logits_whole_cache_ones(whole_cache, monkeypatch):
+def test_padding_past_max_seq_len_leaves_the_real_logits_whole_cache_ones(whole_cache, small_model, spans):
     """A verify whose padded tail and a parked row pass ``max_seq_len`` (as in a speculative loop's
     last rounds): every call attends over ``max_seq_len`` slots, and the logits at real positions
     are the whole cache's bit for bit. The padding's logits differ (it sees fewer slots), so the
     comparison does see what the span cuts off."""
-    torch.manual_seed(0)
-    model = DiscreteGPT(GPTConfig(dim=32, n_layer=2, n_head=2)).eval()
-    spans = []
-    sdpa = F.scaled_dot_product_attention
-
-    def recording(q, k, v, **kwargs):
-        spans.append(k.shape[-2])
-        return sdpa(q, k, v, **kwargs)
-
-    monkeypatch.setattr(F, "scaled_dot_product_attention", recording)
+    model = small_model
 
     def calls() -> list[torch.Tensor]:
         torch.manual_seed(1)
