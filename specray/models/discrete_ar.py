@@ -24,8 +24,9 @@ The cache is static: ``[rows, max_len]`` slots per layer, slot = sequence
 position. Each row has its own length; a call writes K/V at the rows' own
 positions and each query attends to slots ``<= its position``, so slots left
 stale by a rejected draft are invisible once a later call rewrites them. On a CPU a call attends
-over the cache's first slots only, rounded up past its last position
-(:func:`attention_span`): the same bits as the whole cache, at the cost of the filled part.
+over the cache's first slots only, rounded up past its last position, or past ``max_seq_len`` where
+later positions are padding (:func:`attention_span`): the same bits as the whole cache at every
+real position, at the cost of the filled part.
 """
 
 from __future__ import annotations
