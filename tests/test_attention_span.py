@@ -50,7 +50,8 @@ def test_sdpa_over_the_span_equals_the_whole_cache_bit_for_bit(rows, n, max_len)
 
 
 @pytest.fixture
-def small_model():
+def model():
+    """A small random GPT (seed 0), the model of the calls below."""
     torch.manual_seed(0)
     return DiscreteGPT(GPTConfig(dim=32, n_layer=2, n_head=2)).eval()
 
@@ -87,8 +88,7 @@ def ragged_calls(model: DiscreteGPT) -> list[torch.Tensor]:
     return out
 
 
-def test_forward_step_logits_are_the_whole_cache_logits(whole_cache, small_model, spans):
-    model = small_model
+def test_forward_step_logits_are_the_whole_cache_logits(whole_cache, model, spans):
     with torch.inference_mode():
         with_spans = ragged_calls(model)
         assert min(spans) == 16 and max(spans) < model.max_seq_len + 5  # the spans are in use
@@ -109,12 +109,11 @@ def test_span_stops_at_the_slots_real_tokens_occupy():
         attention_span(positions + 4, 69, "position", fed=64)  # still refuses slots past the cache
 
 
-def test_padding_past_max_seq_len_leaves_the_real_logits_whole_cache_ones(whole_cache, small_model, spans):
+def test_padding_past_max_seq_len_leaves_the_real_logits_whole_cache_ones(whole_cache, model, spans):
     """A verify whose padded tail and a parked row pass ``max_seq_len`` (as in a speculative loop's
     last rounds): every call attends over ``max_seq_len`` slots, and the logits at real positions
     are the whole cache's bit for bit. The padding's logits differ (it sees fewer slots), so the
     comparison does see what the span cuts off."""
-    model = small_model
 
     def calls() -> list[torch.Tensor]:
         torch.manual_seed(1)
