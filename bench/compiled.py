@@ -40,6 +40,7 @@ from specray.methods.continuous.loop import run_batch as run_continuous  # noqa:
 from specray.methods.discrete.loop import generate_tokens  # noqa: E402
 from specray.models import continuous_ar, discrete_ar  # noqa: E402
 from specray.models.compiled import compile_continuous_pair, compile_pair  # noqa: E402
+from specray.runtime.hardware import device_name  # noqa: E402
 
 
 def _discrete(method: str, params: dict, pair, labels: torch.Tensor, sids: torch.Tensor, seed: int) -> list:
@@ -90,7 +91,8 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(1)
     device = torch.device(args.device)
     clock = "cpu" if device.type == "cpu" else "wall"
-    print(f"# eager vs compiled: on {device}, torch {torch.__version__}, {clock} clock, {args.reps} reps")
+    print(f"# eager vs compiled: on {device}, {device_name(device)}, torch {torch.__version__}, {clock} clock, "
+          f"{args.reps} reps")
     print(f"{'family':<10} {'batch':>5} {'method':<12} {'compile_s':>9} {'eager':>10} {'compiled':>10} {'ratio':>6} "
           f"{'differ':>8}")
     rows = []
@@ -125,7 +127,8 @@ def main(argv: list[str] | None = None) -> None:
                 print(f"{family:<10} {batch:>5} {method:<12} {compile_s:>9.1f} {eager_ms:>8.2f}ms {compiled_ms:>8.2f}ms "
                       f"{ratio:>6.2f} {differ:>4}/{samples}", flush=True)
     if args.json is not None:
-        args.json.write_text(json.dumps({"device": str(device), "clock": clock, "rows": rows}, indent=2))
+        args.json.write_text(json.dumps({"device": str(device), "machine": device_name(device), "clock": clock,
+                                         "rows": rows}, indent=2))
 
 
 if __name__ == "__main__":

@@ -358,7 +358,8 @@ def main(argv: list[str] | None = None) -> None:
     reps = args.reps or (3 if args.quick else 6)
     device, clock, report = start_report(args, target=TARGET, draft=DRAFT, batches=[])
     pair = load_pair(TARGET, DRAFT, device)
-    print(f"# specray continuous bench: {TARGET} vs {DRAFT} on {device} ({torch.get_num_threads()} thread(s), "
+    print(f"# specray continuous bench: {TARGET} vs {DRAFT} on {device}, {report['machine']} "
+          f"({torch.get_num_threads()} thread(s), "
           f"torch {torch.__version__}), gamma={args.gamma}, seed={args.seed}")
     for batch in [int(b) for b in args.batches.split(",")]:
         samples = samples_b1 if batch == 1 else (args.samples or batch * batches_large)

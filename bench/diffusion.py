@@ -308,7 +308,8 @@ def main(argv: list[str] | None = None) -> None:
     reps = args.reps or (2 if args.quick else 6)
     device, clock, report = start_report(args, target=TARGET, draft=DRAFT, configs=[])
     pair = load_pair(TARGET, DRAFT, device)
-    print(f"# specray diffusion bench: {TARGET} vs {DRAFT} on {device} ({torch.get_num_threads()} thread(s), "
+    print(f"# specray diffusion bench: {TARGET} vs {DRAFT} on {device}, {report['machine']} "
+          f"({torch.get_num_threads()} thread(s), "
           f"torch {torch.__version__}), gamma={args.gamma}, seed={args.seed}")
     for num_steps in steps:
         for batch in [int(b) for b in args.batches.split(",")]:

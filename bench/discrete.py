@@ -377,7 +377,7 @@ def main(argv: list[str] | None = None) -> None:
     cost_timings = args.cost_timings or (8 if args.quick else 24)
     device, clock, report = start_report(args, target=TARGET, draft=DRAFT, head=HEAD, batches=[])
     pairs = {DRAFT: load_pair(TARGET, DRAFT, device), HEAD: load_pair(TARGET, HEAD, device)}
-    print(f"# specray discrete bench: {TARGET} vs {DRAFT} and {HEAD} on {device} "
+    print(f"# specray discrete bench: {TARGET} vs {DRAFT} and {HEAD} on {device}, {report['machine']} "
           f"({torch.get_num_threads()} thread(s), torch {torch.__version__}), gamma={args.gamma}, seed={args.seed}")
     for batch in [int(b) for b in args.batches.split(",")]:
         samples = samples_b1 if batch == 1 else batch * batches_large

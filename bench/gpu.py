@@ -174,6 +174,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--reps", type=int, default=None, help="timed calls per measurement (default 10; quick 2)")
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     args = parser.parse_args(argv)
+    from specray.runtime.hardware import device_name
+
     cfg = QUICK if args.quick else FULL
     device = torch.device(args.device or ("cpu" if args.quick or not torch.cuda.is_available() else "cuda"))
     dtype = getattr(torch, args.dtype)
@@ -190,7 +192,7 @@ def main(argv: list[str] | None = None) -> dict:
         rows.append({"batch": batch, "costs_s": costs, "ratios": ratios, "predicted_speedup": predictions(costs, cfg)})
         print(f"batch {batch}: " + ", ".join(f"{k} {v:.2f}x" for k, v in ratios.items()))
         print("  predicted: " + ", ".join(f"{k} {v:.2f}x" for k, v in rows[-1]["predicted_speedup"].items()))
-    result = {"device": str(device), "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+    result = {"device": str(device), "device_name": device_name(device),
               "dtype": args.dtype, "quick": args.quick, "reps": reps, "torch": torch.__version__, "rows": rows}
     if args.out is not None:
         args.out.write_text(json.dumps(result, indent=2))

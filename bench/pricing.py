@@ -23,6 +23,8 @@ from typing import Any
 
 import torch
 
+from specray.runtime.hardware import device_name
+
 CLOCK_NAMES = ("wall", "cpu")
 
 
@@ -243,11 +245,12 @@ def add_common_args(ap: argparse.ArgumentParser, gamma: int) -> None:
 
 
 def start_report(args: argparse.Namespace, **fields: Any) -> tuple[torch.device, str, dict[str, Any]]:
-    """Set torch's threads; return the device, the main clock and the report's header."""
+    """Set torch's threads; return the device, the main clock and the report's header (with the machine
+    in words, :func:`~specray.runtime.hardware.device_name`)."""
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     clock = args.clock if args.clock != "auto" else ("cpu" if device.type == "cpu" else "wall")
-    report = {**fields, "device": str(device), "gamma": args.gamma, "seed": args.seed,
+    report = {**fields, "device": str(device), "machine": device_name(device), "gamma": args.gamma, "seed": args.seed,
               "threads": torch.get_num_threads(), "torch": torch.__version__, "python": platform.python_version(),
               "quick": args.quick, "clock": clock, "started": time.perf_counter()}
     return device, clock, report

@@ -120,7 +120,8 @@ def main() -> None:
     numbers = {
         "job": spec.job_id, "per_class": args.per_class, "samples": spec.num_samples, "arms": len(spec.arms),
         "rows": result.manifest["num_rows"], "rows_written": result.rows_written, "shards": len(result.manifest["shards"]),
-        "actors": result.actors, "retries": result.retries, "wall_time_s": round(wall, 1),
+        "actors": result.actors, "machine": result.manifest["timings"]["device_names"], "retries": result.retries,
+        "wall_time_s": round(wall, 1),
         "rows_per_s": round(result.rows_written / wall, 1),
         "driver_rss_before_mb": round(rss_before, 1),
         "driver_rss_max_sampled_mb": round(max(during), 1) if during else None,
@@ -135,7 +136,8 @@ def main() -> None:
         else:
             print(f"{name}: {row['batches']} batches, {row['seconds']:.1f} s, median batch {row['median_batch_s']:.3f} s")
     print(f"wall time {wall / 60:.1f} min for {numbers['rows']} rows ({numbers['rows_per_s']} rows/s, "
-          f"{result.actors} actors); driver peak RSS {numbers['driver_peak_rss_mb']} MB")
+          f"{result.actors} actors on {', '.join(numbers['machine']) or 'no new actors'}); "
+          f"driver peak RSS {numbers['driver_peak_rss_mb']} MB")
     if args.json:
         Path(args.json).write_text(json.dumps(numbers, indent=2) + "\n")
 

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from specray.runtime.hardware import device_name
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -22,6 +24,7 @@ def test_gpu_bench_quick_mode(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(out.read_text())
     assert result["quick"] and result["device"] == "cpu" and [r["batch"] for r in result["rows"]] == [1, 2]
+    assert result["device_name"] == device_name("cpu")
     for row in result["rows"]:
         assert {"GPT-XL/1", "GPT-XL/5", "GPT-B/1", "MAR-H/1", "MAR-H/32", "MAR-B/1", "DDPM-CIFAR10/7",
                 "DiT-XL-2/7"} <= set(row["costs_s"])

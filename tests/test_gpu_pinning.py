@@ -80,6 +80,7 @@ def test_job_on_fake_gpus_pins_each_actor_and_driver_stays_off_cuda(ray_gpus, tm
     assert default_actor_count(spec, ray_gpus.cluster_resources()) == 4  # what the cluster offers: 2 GPUs / 0.5
     result = run_job(spec, show_progress=False)
     assert result.actors == 4 and set(result.manifest["timings"]["devices"]) == {"cuda:0"}
+    assert result.manifest["timings"]["device_names"] == ["cuda (unavailable)"]  # named without touching CUDA
 
     table = pq.read_table(out / "samples", partitioning=None)
     assert table.num_rows == 16 and set(table.column("device").to_pylist()) == {"cuda:0"}

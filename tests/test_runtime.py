@@ -26,6 +26,7 @@ from specray.families import Family, Method, register_family, resolve, unregiste
 from specray.methods.common import GenerationResult, SampleStats
 from specray.methods.params import Gamma, MethodParams
 from specray.models.pair import ModelPair
+from specray.runtime.hardware import device_name
 from specray.runtime.images import encode_png
 from specray.runtime.plan import ShardPlan, shard_relpath
 from specray.runtime.store import SAMPLE_SCHEMA, TEMP_MARKER, TEMP_TAG_PREFIX
@@ -276,6 +277,8 @@ def test_end_to_end_writes_all_shards_and_manifest(reference_run):
         assert entry["rows"] == pq.ParquetFile(out / entry["path"]).metadata.num_rows
     assert manifest["spec"]["arms"][1]["params"] == {"gamma": 3}
     assert set(manifest["versions"]) >= {"specray", "torch", "ray", "pyarrow"}
+    assert manifest["timings"]["devices"] == ["cpu", "cpu"]
+    assert manifest["timings"]["device_names"] == [device_name("cpu")]  # both actors, one machine
 
     keys = images_by_key(out)
     assert sorted(keys) == sorted((arm, sid) for arm in ("target_only", "fake_sd") for sid in range(24))

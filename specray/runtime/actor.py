@@ -25,6 +25,7 @@ from specray.methods.common import GenerationResult
 from specray.methods.params import MethodParams
 from specray.models.pair import ModelPair
 from specray.models.refs import ref_from_key
+from specray.runtime.hardware import device_name
 from specray.runtime.images import image_cell
 from specray.runtime.plan import ShardPlan, ShardTask, shard_relpath
 from specray.runtime.store import RunStore, ShardIdentity, rows_to_table
@@ -109,8 +110,8 @@ class ShardWorker:
 
     def info(self) -> dict[str, Any]:
         """Who and where this worker is; the coordinator awaits it before handing out work."""
-        return {"device": str(self.device), "pid": os.getpid(), "host": socket.gethostname(),
-                "actor": self.actor, "threads": torch.get_num_threads()}
+        return {"device": str(self.device), "device_name": device_name(self.device), "pid": os.getpid(),
+                "host": socket.gethostname(), "actor": self.actor, "threads": torch.get_num_threads()}
 
     def gpu_assignment(self) -> dict[str, Any]:
         """What Ray gave this worker and what it made of it (read by the GPU-pinning test)."""

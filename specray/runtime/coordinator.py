@@ -292,7 +292,7 @@ def _run_leased(spec: JobSpec, plan: ShardPlan, store: RunStore, lease: OutputLe
              spec.job_id, plan.num_samples, len(spec.arms), total_rows, plan.num_shards, committed_rows, len(tasks))
 
     written: dict[str, CommittedFile] = {}
-    retries, replaced, pool_size, devices, startup = 0, 0, 0, [], 0.0
+    retries, replaced, pool_size, devices, device_names, startup = 0, 0, 0, [], [], 0.0
     own_ray = True
     started_ray = connect_ray(ray_address, num_cpus) if tasks else False
     try:
@@ -316,6 +316,7 @@ def _run_leased(spec: JobSpec, plan: ShardPlan, store: RunStore, lease: OutputLe
                     dispatcher.shutdown()
                     store.remove_stale_temps()  # temp files of writers killed mid-commit (never visible)
                 retries, replaced, devices = dispatcher.retries, dispatcher.replaced, dispatcher.devices
+                device_names = dispatcher.device_names
                 startup = dispatcher.startup_s
     finally:
         if tasks and not own_ray and ray.is_initialized():
@@ -324,7 +325,7 @@ def _run_leased(spec: JobSpec, plan: ShardPlan, store: RunStore, lease: OutputLe
             ray.shutdown()
 
     manifest = build_manifest(spec, plan, store, written, started=started, retries=retries,
-                              actors=pool_size, devices=devices, tasks_run=len(tasks))
+                              actors=pool_size, devices=devices, device_names=device_names, tasks_run=len(tasks))
     lease.check()  # a run whose lease was taken over must not claim the output is complete
     store.write_json(MANIFEST_NAME, manifest)
     wall = time.time() - started
@@ -357,6 +358,7 @@ class _Dispatcher:
         self.retries = 0
         self.replaced = 0
         self.devices: list[str] = []
+        self.device_names: list[str] = []  # each actor's device in words (specray.runtime.hardware)
         self._next_actor_id = 0
         self.actors: dict[int, Any] = {}  # actor id -> handle (ids are never reused)
         self.tags: dict[int, str] = {}  # actor id -> "<node>:<pid>", once it answered
@@ -481,7 +483,8 @@ class _Dispatcher:
         if not self.startup_s:
             self.startup_s = time.monotonic() - self._created
         self.devices.append(info["device"])
-        log.info("actor %d ready: %s on %s", actor_id, self.tags[actor_id], info["device"])
+        self.device_names.append(info["device_name"])
+        log.info("actor %d ready: %s on %s (%s)", actor_id, self.tags[actor_id], info["device"], info["device_name"])
         self._idle.append(actor_id)
 
     def _assign(self, tasks: list[ShardTask], pending: collections.deque,
@@ -554,7 +557,8 @@ def _short_error(exc: BaseException) -> str:
 
 
 def build_manifest(spec: JobSpec, plan: ShardPlan, store: RunStore, written: dict[str, CommittedFile], *,
-                   started: float, retries: int, actors: int, devices: list[str], tasks_run: int) -> dict[str, Any]:
+                   started: float, retries: int, actors: int, devices: list[str], device_names: list[str],
+                   tasks_run: int) -> dict[str, Any]:
     """Count every committed (arm, shard) file; fail if one is missing or has the wrong row count."""
     shards = []
     for arm in spec.arms:
@@ -580,7 +584,8 @@ def build_manifest(spec: JobSpec, plan: ShardPlan, store: RunStore, written: dic
         "versions": {"specray": specray.__version__, "torch": torch.__version__, "ray": ray.__version__,
                      "pyarrow": pyarrow.__version__, "python": platform.python_version()},
         "timings": {"started_at": _iso(started), "finished_at": _iso(finished), "wall_time_s": finished - started,
-                    "tasks_run": tasks_run, "retries": retries, "actors": actors, "devices": sorted(devices)},
+                    "tasks_run": tasks_run, "retries": retries, "actors": actors, "devices": sorted(devices),
+                    "device_names": sorted(set(device_names))},
     }
 
 
