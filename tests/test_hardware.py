@@ -58,3 +58,13 @@ def test_the_cpu_device_adds_the_vector_extensions_torch_uses_and_the_cpu_count(
 def test_an_absent_gpu_is_named_without_initialising_cuda():
     assert hardware.device_name("cuda:0") == "cuda (unavailable)"
     assert not torch.cuda.is_initialized()
+
+
+def test_a_gpu_that_fails_to_give_its_name_is_recorded_not_raised(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+
+    def broken(device):
+        raise RuntimeError("CUDA error: unspecified launch failure")
+
+    monkeypatch.setattr(torch.cuda, "get_device_name", broken)
+    assert hardware.device_name("cuda:0") == "cuda (no name: CUDA error: unspecified launch failure)"

@@ -3,7 +3,8 @@
 :class:`ShardWorker` is a plain class (usable in-process, e.g. by benchmarks);
 :data:`GenerationActor` is the same class as a Ray actor. The coordinator sets
 ``num_cpus``/``num_gpus`` through ``.options(...)``; the worker places models on
-the GPU Ray assigned and touches CUDA nowhere else.
+the GPU Ray assigned, reads that GPU's name for the manifest (where CUDA is available), and touches
+CUDA nowhere else.
 """
 
 from __future__ import annotations

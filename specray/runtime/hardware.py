@@ -23,8 +23,14 @@ def device_name(device: torch.device | str) -> str:
     device = torch.device(device)
     if device.type == "cuda":
         # is_available does not initialise CUDA, so a worker given a GPU that is not there (Ray's
-        # fake GPUs in the tests) still fails only where it first uses the device
-        return torch.cuda.get_device_name(device) if torch.cuda.is_available() else "cuda (unavailable)"
+        # fake GPUs in the tests) still fails only where it first uses the device; a name is a
+        # record, so a device that fails to answer fails there too, not here
+        if not torch.cuda.is_available():
+            return "cuda (unavailable)"
+        try:
+            return torch.cuda.get_device_name(device)
+        except (RuntimeError, AssertionError) as exc:
+            return f"cuda (no name: {exc})"
     if device.type != "cpu":
         return device.type
     return f"{cpu_model()}; {torch.backends.cpu.get_cpu_capability()}; {os.cpu_count()} CPUs"
