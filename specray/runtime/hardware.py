@@ -1,8 +1,8 @@
 """What a timing ran on, in words: job manifests and benchmark reports record it beside their times.
 
 A time means little without its machine: the CPU's vector extensions decide which kernels MKL and
-torch run, and the same batch of the digits presets has taken twice as long on one 2-core machine as
-on another (README, "Runtime").
+torch run, and the same code has run two to three times slower on one 2-core machine than on another
+(README, "Benchmarks").
 """
 
 from __future__ import annotations
@@ -39,7 +39,8 @@ def device_name(device: torch.device | str) -> str:
 @functools.lru_cache(maxsize=1)
 def cpu_model() -> str:
     """The first processor's ``model name`` from ``/proc/cpuinfo``, with its family and model numbers
-    where given; ``"unknown CPU"`` where the file is missing (not Linux) or says neither."""
+    where given; ``"unknown CPU"`` in place of a name the file lacks, or for the whole when there is no
+    such file (not Linux)."""
     try:
         text = CPUINFO.read_text()
     except OSError:
