@@ -2,7 +2,7 @@
 
 On a CPU a discrete-AR call attends over the cache's first slots only, rounded up past its last
 position (:func:`specray.models.discrete_ar.attention_span`); ``whole`` is what every call did before
-(a quantum larger than any cache). For each batch size and arm (fid50k's: target_only, sd, cool_sd,
+(``ATTENTION_SPANS`` off). For each batch size and arm (fid50k's: target_only, sd, cool_sd,
 gamma 4, CFG 1.5, on digits-gpt-target with the draft digits-gpt-draft) it prints:
 
 - ``whole`` / ``span``: ms per sample, median over repetitions, process CPU time; the two settings
@@ -31,7 +31,7 @@ from bench.pricing import batches_of, paired_speedup, per_repetition, run_in_tur
 from specray.models import discrete_ar  # noqa: E402
 
 ARMS = (("target_only", {}), ("sd", {"gamma": 4}), ("cool_sd", {"gamma": 4}))
-SETTINGS = {"whole": 1 << 30, "span": discrete_ar.ATTENTION_SPAN_QUANTUM}  # name: ATTENTION_SPAN_QUANTUM
+SETTINGS = {"whole": False, "span": True}  # name: ATTENTION_SPANS
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> None:
             outputs: dict[str, list] = {name: [] for name in SETTINGS}
 
             def run(name: str, unit: tuple) -> dict[str, float]:
-                discrete_ar.ATTENTION_SPAN_QUANTUM = SETTINGS[name]
+                discrete_ar.ATTENTION_SPANS = SETTINGS[name]
                 start = stamp()
                 outputs[name] += _discrete(method, params, pair, *unit, args.seed)
                 return since(start)
@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> None:
             run("span", work[0])  # warm-up
             outputs["span"].clear()
             elapsed, _ = run_in_turns(list(SETTINGS), work, args.reps, run, between=lambda: None)
-            discrete_ar.ATTENTION_SPAN_QUANTUM = SETTINGS["span"]
+            discrete_ar.ATTENTION_SPANS = SETTINGS["span"]
             times = {name: [r["cpu"] for r in per_repetition(elapsed[name], len(work))] for name in SETTINGS}
             samples = len(work) * batch
             pairs = zip(outputs["whole"], outputs["span"])  # sample by sample, repetition after repetition

@@ -236,14 +236,15 @@ def _call_of_shape(role: str, n: int, rows: int, batch: int, pairs: dict[str, Mo
         return lambda: [stream.forward(idx, tok, pos, all_rows=full, prefix=False) for pos in spread]
     head_pair = pairs[HEAD]
     max_len = head_pair.target.max_seq_len + n + 1
+    role_stream = (TargetStream(head_pair.target, batch, sampling, max_len) if role == "target_f"
+               else HeadStream(head_pair.draft, head_pair.target, batch, sampling, max_len))
     # a tree mask costs the same; on a CPU over the call's own attention span, as in the loops
-    visible = [torch.arange(attention_span(pos, max_len), device=device) <= pos[:, :, None] for pos in spread]
+    slots = role_stream.cache.max_len
+    visible = [torch.arange(attention_span(pos, slots), device=device) <= pos[:, :, None] for pos in spread]
     if role == "target_f":
-        target = TargetStream(head_pair.target, batch, sampling, max_len)
-        return lambda: [target.probs(idx, tok, pos, pos, vis) for pos, vis in zip(spread, visible)]
-    head = HeadStream(head_pair.draft, head_pair.target, batch, sampling, max_len)
-    features = torch.randn(head.cache_rows(idx).shape[0], n, head_pair.target.config.dim, generator=gen).to(device)
-    return lambda: [head.probs(idx, features, tok, pos, pos, vis) for pos, vis in zip(spread, visible)]
+        return lambda: [role_stream.probs(idx, tok, pos, pos, vis) for pos, vis in zip(spread, visible)]
+    features = torch.randn(role_stream.cache_rows(idx).shape[0], n, head_pair.target.config.dim, generator=gen).to(device)
+    return lambda: [role_stream.probs(idx, features, tok, pos, pos, vis) for pos, vis in zip(spread, visible)]
 
 
 def cost_timer(pairs: dict[str, ModelPair], batch: int, gamma: int, shapes: list[str]) -> InterleavedTimer:

@@ -1,6 +1,6 @@
 """On a CPU a discrete-AR call attends over a prefix of its static cache (``attention_span``): the
 same bits as attending over the whole cache, checked here at the kernel, at the model and through
-the decoding loops (the full cache is what a quantum larger than any cache gives)."""
+the decoding loops (``ATTENTION_SPANS`` off: every call attends over the whole cache)."""
 
 from __future__ import annotations
 
@@ -13,20 +13,39 @@ from specray.families import format_options
 from specray.methods.discrete.loop import run_batch
 from specray.models.captions import set_caption_features
 from specray.models.checkpoints.llamagen_t2i import load
-from specray.models.discrete_ar import DiscreteGPT, GPTConfig, attention_span, load_pair
+from specray.models.discrete_ar import (
+    DiscreteGPT,
+    GPTConfig,
+    KVCache,
+    attention_span,
+    cpu_attention_slots,
+    kv_slots,
+    load_pair,
+)
 from tests.checkpoint_fixtures import llamagen_t2i_target, reference
-
-WHOLE_CACHE = 1 << 30  # a quantum past every cache: attention_span returns max_len
 
 
 @pytest.fixture
 def whole_cache(monkeypatch):
     """Call it to make every call attend over the whole cache, as before spans existed."""
-    return lambda: monkeypatch.setattr(discrete_ar, "ATTENTION_SPAN_QUANTUM", WHOLE_CACHE)
+    return lambda: monkeypatch.setattr(discrete_ar, "ATTENTION_SPANS", False)
 
 
-@pytest.mark.parametrize("max_len", [70, 600])  # 600: past 256 keys the kernel blocks them
-@pytest.mark.parametrize("rows, n", [(1, 1), (3, 5)])  # a decode step, a verify
+def test_cpu_lengths_are_whole_vectors_then_whole_blocks():
+    """Whole 16-slot vectors up to 192, else the block's end; the same within every later 512-block.
+    A CPU cache has such a length (the whole cache sums as its spans), a cache elsewhere its own."""
+    assert [cpu_attention_slots(x) for x in (1, 16, 17, 69, 90, 192, 193, 256, 375, 512)] == \
+        [16, 16, 32, 80, 96, 192, 512, 512, 512, 512]
+    assert [cpu_attention_slots(x) for x in (513, 581, 704, 705, 1024, 1025)] == [528, 592, 704, 1024, 1024, 1040]
+    assert all(cpu_attention_slots(cpu_attention_slots(x)) == cpu_attention_slots(x) for x in range(1, 2000))
+    shape = {"max_len": 69, "n_head": 2, "head_dim": 4}
+    assert kv_slots(3, **shape, like=torch.zeros(())).shape == (3, 80, 2, 4)
+    assert kv_slots(3, **shape, like=torch.zeros((), device="meta")).shape == (3, 69, 2, 4)
+    assert attention_span(torch.tensor([[40]]), 80) == 48 and attention_span(torch.tensor([[70]]), 80) == 80
+
+
+@pytest.mark.parametrize("max_len", [cpu_attention_slots(70), cpu_attention_slots(600)])  # 80, 608: a second block
+@pytest.mark.parametrize("rows, n", [(1, 1), (3, 5), (2, 26)])  # a decode step, a verify, a tree
 def test_sdpa_over_the_span_equals_the_whole_cache_bit_for_bit(rows, n, max_len):
     """Every filled length 1 .. max_len, random inputs (seed 0): masked SDPA over the first
     ``attention_span`` slots equals masked SDPA over all of them. Negative control: slicing to exactly
@@ -41,7 +60,7 @@ def test_sdpa_over_the_span_equals_the_whole_cache_bit_for_bit(rows, n, max_len)
         mask = (torch.arange(max_len) <= positions[:, :, None])[:, None]
         whole = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         span = attention_span(positions, max_len)
-        assert filled <= span <= max_len and (span == max_len or span < filled + 512)
+        assert filled <= span <= max_len and span < filled + 512
         prefix = F.scaled_dot_product_attention(q, k[:, :, :span], v[:, :, :span], attn_mask=mask[..., :span])
         assert torch.equal(prefix, whole), f"filled {filled}"
         exact = F.scaled_dot_product_attention(q, k[:, :, :filled], v[:, :, :filled], attn_mask=mask[..., :filled])
@@ -91,11 +110,11 @@ def ragged_calls(model: DiscreteGPT) -> list[torch.Tensor]:
 def test_forward_step_logits_are_the_whole_cache_logits(whole_cache, model, spans):
     with torch.inference_mode():
         with_spans = ragged_calls(model)
-        assert min(spans) == 16 and max(spans) < model.max_seq_len + 5  # the spans are in use
+        assert min(spans) == 16 and max(spans) < cpu_attention_slots(model.max_seq_len + 5)  # the spans are in use
         whole_cache()
         spans.clear()
         whole = ragged_calls(model)
-    assert set(spans) == {model.max_seq_len + 5}
+    assert set(spans) == {cpu_attention_slots(model.max_seq_len + 5)}
     for i, (a, b) in enumerate(zip(with_spans, whole)):
         assert torch.equal(a, b), f"call {i}"
 
@@ -123,7 +142,7 @@ def test_padding_past_max_seq_len_leaves_the_real_logits_whole_cache_ones(whole_
             model.forward_step(torch.randint(0, 17, (3, 1)), torch.full((3, 1), t), cache, prefix=False)
         spans.clear()
         verify = torch.tensor([[61], [59], [57]]) + torch.arange(5)  # row 0: positions 64, 65 are padding
-        parked = torch.tensor([[66], [62], [60]])  # row 0 parked at the cache's end
+        parked = torch.tensor([[66], [62], [60]])  # row 0 parked past max_seq_len
         return [model.forward_step(torch.randint(0, 17, (3, 5)), verify, cache, prefix=False),
                 model.forward_step(torch.randint(0, 17, (3, 1)), parked, cache, prefix=False)]
 
@@ -132,11 +151,46 @@ def test_padding_past_max_seq_len_leaves_the_real_logits_whole_cache_ones(whole_
         assert set(spans) == {model.max_seq_len}
         whole_cache()
         whole = calls()
-        assert set(spans) == {model.max_seq_len + 5}
+        assert set(spans) == {cpu_attention_slots(model.max_seq_len + 5)}
     verify_real = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 1, 1, 1, 1]], dtype=torch.bool)
     assert torch.equal(capped[0][verify_real], whole[0][verify_real])
     assert torch.equal(capped[1][1:], whole[1][1:])
     assert not torch.equal(capped[0][0, 3:], whole[0][0, 3:]) and not torch.equal(capped[1][0], whole[1][0])
+
+
+def tree_hidden(model: DiscreteGPT, cache: KVCache, span: int, nodes: int) -> torch.Tensor:
+    """Hidden states of a tree call of ``nodes`` nodes (slots n + v, positions n + 1 + v // 5, each node
+    seeing the committed slots and the nodes before it) on 3 rows filled to 40 positions, over ``span``
+    slots; one node is an EAGLE head chain's draft step."""
+    torch.manual_seed(2)
+    model.forward_step(torch.tensor([[1], [5], [8]]), torch.zeros(3, 1, dtype=torch.int64), cache)
+    model.forward_step(torch.randint(0, 17, (3, 40)), torch.arange(1, 41).expand(3, -1), cache, prefix=False)
+    n, node = torch.tensor([[10], [15], [20]]), torch.arange(nodes)
+    slots, positions = n + node, n + 1 + node // 5
+    key_slots = torch.arange(span)
+    visible = (key_slots < n[:, :, None]) | ((key_slots >= n[:, :, None]) & (key_slots <= slots[:, :, None]))
+    return model.forward_tree(torch.randint(0, 17, (3, nodes)), positions, slots, visible, cache)
+
+
+@pytest.mark.parametrize("nodes, extra, rounded", [(26, 26, 96), (1, 5, 80)])
+def test_tree_call_over_the_span_is_the_whole_cache_call(model, nodes, extra, rounded):
+    """Tree calls (the EAGLE loops') on a cache of max_seq_len + extra slots, rounded up on a CPU: over
+    their span (32 or 48 slots) the hidden states of the call over every slot. Negative control, on AVX2
+    (where it was found): in a cache of exactly max_seq_len + 5 slots, a one-node call over all 69
+    differs in the last bits, which is why a CPU cache is rounded up."""
+    with torch.inference_mode():
+        cache = model.new_cache(3, model.max_seq_len + extra)
+        assert cache.max_len == rounded
+        span = attention_span(torch.tensor([[20 + nodes - 1]]), cache.max_len)
+        assert span <= 48
+        over_span = tree_hidden(model, cache, span, nodes)
+        assert torch.equal(over_span, tree_hidden(model, model.new_cache(3, model.max_seq_len + extra), rounded, nodes))
+        exact = model.max_seq_len + extra
+        storage = [torch.zeros(3, 2, exact, 16).transpose(1, 2) for _ in range(4)]  # head-major, as kv_slots
+        whole_exact = tree_hidden(model, KVCache(storage[:2], storage[2:], torch.zeros(3, dtype=torch.int64)),
+                                  exact, nodes)
+    if nodes == 1 and torch.backends.cpu.get_cpu_capability() == "AVX2":
+        assert not torch.equal(over_span, whole_exact)
 
 
 def test_caption_model_logits_are_the_whole_cache_logits(whole_cache):

@@ -184,12 +184,12 @@ def test_block_write_puts_the_same_values_in_the_same_slots():
     g = torch.Generator().manual_seed(7)
     for n, rows in ((5, None), (5, torch.tensor([9, 2, 4, 11, 0])), (1, None)):
         r = 8 if rows is None else rows.shape[0]
-        starts = torch.randint(0, 12 - n + 1, (r, 1), generator=g)
-        starts[0] = 12 - n  # the last block of the row
+        starts = torch.randint(0, 16 - n + 1, (r, 1), generator=g)
+        starts[0] = 16 - n  # the last block of the row
         positions = starts + torch.arange(n)
         x = torch.randn(r, n, 3, 4, generator=g)
         write_rows = torch.arange(r) if rows is None else rows
-        shape = {"max_len": 12, "n_head": 3, "head_dim": 4, "like": x}
+        shape = {"max_len": 16, "n_head": 3, "head_dim": 4, "like": x}  # a length a CPU cache keeps
         stacked = kv_slots(2, 12, **shape)
         for by_blocks in (kv_slots(12, **shape), stacked[1]):
             by_values = by_blocks.clone()
@@ -198,19 +198,19 @@ def test_block_write_puts_the_same_values_in_the_same_slots():
             assert torch.equal(by_blocks, by_values)
         assert not stacked[0].any()  # the other layer untouched
         late = kv_slots(12, **shape)
-        BlockWrite(write_rows, positions + (positions[:, :1] < 12 - n).long(), 3).write(late, x)  # one slot on
+        BlockWrite(write_rows, positions + (positions[:, :1] < 16 - n).long(), 3).write(late, x)  # one slot on
         assert not torch.equal(late, by_values)
-        row_major = torch.zeros(12, 12, 3, 4)  # [rows, slots, H, hd] stored as indexed: the per-value write
+        row_major = torch.zeros(12, 16, 3, 4)  # [rows, slots, H, hd] stored as indexed: the per-value write
         BlockWrite(write_rows, positions, 3).write(row_major, x)
-        expected = torch.zeros(12, 12, 3, 4)
+        expected = torch.zeros(12, 16, 3, 4)
         expected[write_rows[:, None], positions] = x
         assert torch.equal(row_major, expected)
 
 
 def test_gathered_rows_keep_the_values_and_the_head_major_layout():
     """gather_rows equals cache[rows] over a span of a kv_slots cache, and stays head-major."""
-    cache = kv_slots(10, max_len=12, n_head=3, head_dim=4, like=torch.zeros(()))
-    cache.copy_(torch.randn(10, 12, 3, 4, generator=torch.Generator().manual_seed(4)))
+    cache = kv_slots(10, max_len=16, n_head=3, head_dim=4, like=torch.zeros(()))
+    cache.copy_(torch.randn(10, 16, 3, 4, generator=torch.Generator().manual_seed(4)))
     rows = torch.tensor([7, 1, 4])
     span = cache[:, :8]
     gathered = gather_rows(span, rows)
@@ -338,16 +338,16 @@ def test_parked_rows_take_consecutive_slots_inside_the_cache(monkeypatch):
     called get the outputs of a call on them alone, bit for bit. Negative control: parked slots clamped
     to the last one are not consecutive, and the call falls back to per-value writes."""
     model = tiny_model()
-    batch, max_len, n = 5, 24, 5
+    batch, max_len, n = 5, 32, 5  # 32: a CPU cache keeps this length (kv_slots)
     labels, tokens = random_tokens(batch, seed=9)
     monkeypatch.setattr(discrete_ar, "BLOCK_WRITE_MIN_TOKENS", 1)  # blocks at this small size too
     sampling = SamplingParams(cfg_scale=1.5, temperature=1.0, top_k=0, top_p=1.0)
-    lengths = torch.tensor([6, 9, 21, 12, 10])  # row 2 is finished, 3 slots from the end; row 4 sits out
+    lengths = torch.tensor([6, 9, 29, 12, 10])  # row 2 is finished, 3 slots from the end; row 4 sits out
     idx, positions = torch.tensor([0, 1, 3]), torch.stack([torch.arange(k, k + n) for k in (6, 9, 12)])
 
     def stream() -> GuidedModel:
         s = GuidedModel(model, batch, sampling, max_len)
-        filled = torch.arange(0, 21).expand(batch, -1)
+        filled = torch.arange(0, 29).expand(batch, -1)
         s.probs(torch.arange(batch), sequence_tokens(labels, tokens, filled), filled, all_rows=True)
         s.crop(torch.arange(batch), lengths, all_rows=True)
         return s

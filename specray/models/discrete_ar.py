@@ -20,8 +20,8 @@ So the loops keep their layout (position 0 is the condition, position ``p`` pred
 token ``p``) while the model attends over the real slots, with the caption's padded slots
 masked as keys. All prefix slots get the zero RoPE rows, as in the official table.
 
-The cache is static: ``[rows, max_len]`` slots per layer, slot = sequence
-position. Each row has its own length; a call writes K/V at the rows' own
+The cache is static: ``[rows, max_len]`` slots per layer (on a CPU ``max_len`` rounded up,
+:func:`kv_slots`), slot = sequence position. Each row has its own length; a call writes K/V at the rows' own
 positions and each query attends to slots ``<= its position``, so slots left
 stale by a rejected draft are invisible once a later call rewrites them. On a CPU a call attends
 over the cache's first slots only, rounded up past its last position, or past ``max_seq_len`` where
@@ -51,12 +51,16 @@ CONDITIONS = ("class", "text", "caption")
 # (2-core CPU, 8 heads of q and k of 16: 4.5 against 10 µs at 2 rows, 330 against 80 µs at 256 rows x 5 tokens).
 PAIR_SWAP_BY_SLICES = 8192
 # A masked slot adds an exact zero to attention's sums, so a prefix of the cache gives the bits of
-# the whole cache when the CPU kernel sums in the same order over both: its reductions run in vectors
-# of 16 floats plus a scalar tail, and past 256 keys its matrix products block the keys by length, so
-# spans are whole vectors up to 256 slots and whole 512-slot blocks beyond (tests/test_attention_span.py).
+# the whole cache when the CPU kernel sums in the same order over both. It blocks the keys by 512 and,
+# within a block, sums in one order over every whole number of 16-slot vectors up to 192 and over the
+# whole block: on AVX2 past 192 keys its matrix products sum in another order, and a length off the
+# vectors gets a scalar tail (both CPUs measured, tests/test_attention_span.py). So on a CPU spans and
+# caches have such lengths (cpu_attention_slots); ATTENTION_SPANS = False makes every call attend
+# over the whole cache (the tests' and bench/attention_span.py's reference).
 ATTENTION_SPAN_QUANTUM = 16
 ATTENTION_SPAN_BLOCK = 512
-ATTENTION_SPAN_SHORT = 256
+ATTENTION_SPAN_SHORT = 192
+ATTENTION_SPANS = True
 # Below this many tokens per call (rows x positions) the per-value K/V write's lower fixed cost wins
 # over BlockWrite's (2-core CPU, dim 64: 7 against 15 us at 2 rows x 1 token).
 BLOCK_WRITE_MIN_TOKENS = 256
@@ -221,25 +225,30 @@ def attention_span(last_slots: torch.Tensor, max_len: int, what: str = "slot", f
     """How many leading cache slots a call whose queries see no slot past ``last_slots`` attends over
     (refusing, as :func:`_check_slots`, slots past the cache; ``what`` names them in the error).
 
-    On a CPU: ``max(last_slots) + 1`` rounded up to a multiple of :data:`ATTENTION_SPAN_QUANTUM`, or
-    of :data:`ATTENTION_SPAN_BLOCK` past :data:`ATTENTION_SPAN_SHORT` (at most ``max_len``); reading
-    the scalar is a host sync, free there. Elsewhere, and while torch.compile captures a step (static
-    shapes, no sync), the whole cache.
+    On a CPU: :func:`cpu_attention_slots` of ``max(last_slots) + 1``, at most ``max_len`` (a CPU
+    cache's own length is such a length, :func:`kv_slots`); reading the scalar is a host sync, free
+    there. Elsewhere, while torch.compile captures a step (static shapes, no sync), and with
+    :data:`ATTENTION_SPANS` off, the whole cache.
 
     ``fed``: the slots a real token can occupy (slot = position, :attr:`DiscreteGPT.max_seq_len`). A
     query past them is padding whose output the caller discards, so on a CPU the span stops there:
     a speculative loop's padded last verify or a parked row would otherwise make every row of the
-    call attend over the whole cache (69 slots of the presets' speculative cache against 64, the
-    five past a whole vector costing the kernel about a fifth more).
+    call attend over the whole cache (80 slots of the presets' speculative cache against 64).
     """
     last = None if torch.compiler.is_compiling() else _check_slots(what, last_slots, max_len)
-    if last is None:
+    if last is None or not ATTENTION_SPANS:
         return max_len
     needed = last + 1 if fed is None else min(last + 1, fed)
-    span = -(-needed // ATTENTION_SPAN_QUANTUM) * ATTENTION_SPAN_QUANTUM
-    if span > ATTENTION_SPAN_SHORT:
-        span = -(-needed // ATTENTION_SPAN_BLOCK) * ATTENTION_SPAN_BLOCK
-    return min(max_len, span)
+    return min(max_len, cpu_attention_slots(needed))
+
+
+def cpu_attention_slots(needed: int) -> int:
+    """The fewest key slots, at least ``needed``, over which the CPU attention kernel sums in the order it
+    uses over every longer such length: whole 512-slot blocks, then whole 16-slot vectors up to 192
+    or one more whole block (see :data:`ATTENTION_SPAN_QUANTUM`). 69 -> 80, 200 -> 512, 600 -> 608."""
+    start = (needed - 1) // ATTENTION_SPAN_BLOCK * ATTENTION_SPAN_BLOCK
+    tail = -(-(needed - start) // ATTENTION_SPAN_QUANTUM) * ATTENTION_SPAN_QUANTUM
+    return start + (tail if tail <= ATTENTION_SPAN_SHORT else ATTENTION_SPAN_BLOCK)
 
 
 def cache_write_index(positions: torch.Tensor, rows: torch.Tensor | None,
@@ -474,9 +483,15 @@ def apply_rope(x: torch.Tensor, rope: torch.Tensor | tuple[torch.Tensor, torch.T
 
 
 def kv_slots(*leading: int, max_len: int, n_head: int, head_dim: int, like: torch.Tensor) -> torch.Tensor:
-    """Zeroed K or V slots ``[*leading, max_len, n_head, head_dim]`` (the cache's index order) stored
-    head-major, ``[*leading, n_head, max_len, head_dim]`` in memory: attention reads each head's keys
-    contiguously (the CPU attention kernel runs ~30% faster on them; same values, same results)."""
+    """Zeroed K or V slots ``[*leading, slots, n_head, head_dim]`` (the cache's index order) stored
+    head-major, ``[*leading, n_head, slots, head_dim]`` in memory: attention reads each head's keys
+    contiguously (the CPU attention kernel runs ~30% faster on them; same values, same results).
+
+    ``slots`` is ``max_len``, on a CPU rounded up to :func:`cpu_attention_slots`: a call whose span
+    reaches the cache's end then sums as one that stops short of it, so a row's bits do not depend on
+    how far its batch companions are (69 slots against 64 differ in the last bits on AVX2)."""
+    if like.device.type == "cpu":
+        max_len = cpu_attention_slots(max_len)
     storage = torch.zeros(*leading, n_head, max_len, head_dim, dtype=like.dtype, device=like.device)
     return storage.transpose(-3, -2)
 

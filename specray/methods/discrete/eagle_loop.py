@@ -198,7 +198,7 @@ def _chain(method: Method, params: Speculative, pair: ModelPair, labels: torch.T
             break
         u = uniforms.round(it, rnd.idx, rnd.positions[:, :gamma])
         # Every call of the round sees no slot past the verify's last position: one span for all of them.
-        span = attention_span(rnd.positions, max_len)
+        span = attention_span(rnd.positions, target.cache.max_len)  # the cache's slots: max_len rounded up on a CPU
         q, predicted = _catch_up(head, target, rnd.idx, rnd.n, rnd.tokens, gamma + 1, span)
         # Per-step columns split off once, the laws and drafts stacked once (fewer ops than indexing).
         later_positions = rnd.positions[:, 1:gamma].split(1, dim=1)
@@ -393,7 +393,7 @@ def _tree(params: Speculative, pair: ModelPair, labels: torch.Tensor, sample_ids
         predicted = torch.zeros(2 * r if head.guided else r, nodes, target_model.config.dim, device=device)
         slots = n[:, None] + index.node_ids
         node_positions = n[:, None] + index.depths  # node v sits at sequence position n + depth(v)
-        span = attention_span(slots, max_len)  # every call of the round: the whole tree's slots
+        span = attention_span(slots, target.cache.max_len)  # every call of the round: the whole tree's slots
         visible = plan.visible(n, span)
         q, predicted[:, 0] = _catch_up(head, target, idx, n, row_tokens, depth + 1, span)
         Q[:, 0] = q
