@@ -237,7 +237,7 @@ def _call_of_shape(role: str, n: int, rows: int, batch: int, pairs: dict[str, Mo
     head_pair = pairs[HEAD]
     max_len = head_pair.target.max_seq_len + n + 1
     role_stream = (TargetStream(head_pair.target, batch, sampling, max_len) if role == "target_f"
-               else HeadStream(head_pair.draft, head_pair.target, batch, sampling, max_len))
+                   else HeadStream(head_pair.draft, head_pair.target, batch, sampling, max_len))
     # a tree mask costs the same; on a CPU over the call's own attention span, as in the loops
     slots = role_stream.cache.max_len
     visible = [torch.arange(attention_span(pos, slots), device=device) <= pos[:, :, None] for pos in spread]
