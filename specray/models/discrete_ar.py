@@ -21,9 +21,9 @@ token ``p``) while the model attends over the real slots, with the caption's pad
 masked as keys. All prefix slots get the zero RoPE rows, as in the official table.
 
 The cache is static: ``[rows, max_len]`` slots per layer (on a CPU ``max_len`` rounded up,
-:func:`kv_slots`), slot = sequence position. Each row has its own length; a call writes K/V at the rows' own
-positions and each query attends to slots ``<= its position``, so slots left
-stale by a rejected draft are invisible once a later call rewrites them. On a CPU a call attends
+:func:`kv_slots`), slot = sequence position. Each row has its own length; a call writes K/V at the
+rows' own positions and each query attends to slots ``<= its position``, so slots left stale by a
+rejected draft are invisible once a later call rewrites them. On a CPU a call attends
 over the cache's first slots only, rounded up past its last position, or past ``max_seq_len`` where
 later positions are padding (:func:`attention_span`): the same bits as the whole cache at every
 real position, at the cost of the filled part.
