@@ -293,6 +293,38 @@ def test_feed_forward_in_place_gives_the_autograd_path_bits_and_leaves_its_input
     assert not torch.equal(plain, reference.detach())
 
 
+def test_rms_norm_in_cpu_inference_gives_the_autograd_path_bits():
+    """The CPU inference branch (sum, then division by the count, with 0-dim scalars) against the
+    branch autograd takes (``torch.mean`` and Python scalars): 600 random inputs over the loops' shapes
+    (1, 5 and 26 tokens, 2 to 256 rows, widths 48 and 64), seed 5, no tolerance."""
+    g = torch.Generator().manual_seed(5)
+    for dim in (64, 48):
+        norm = discrete_ar.RMSNorm(dim, 1e-5)
+        with torch.no_grad():
+            norm.weight.copy_(torch.randn(dim, generator=g))
+        for rows, n in ((2, 1), (10, 5), (256, 1), (80, 5), (4, 26)):
+            for _ in range(60):
+                x = torch.randn(rows, n, dim, generator=g) * torch.rand(1, generator=g) * 10
+                with torch.inference_mode():
+                    fast = norm(x)
+                reference = norm(x.clone().requires_grad_())
+                assert torch.equal(fast, reference.detach()), (dim, rows, n)
+    # Negative control: scaling by the count's reciprocal instead of dividing by it rounds otherwise
+    # (at width 48; 1/64 is a power of two, exact either way).
+    x = torch.randn(256, 1, 48, generator=g)
+    reference = norm(x.clone().requires_grad_()).detach()
+    reciprocal = x * torch.rsqrt((x * x).sum(-1, keepdim=True) * (1 / 48) + 1e-5) * norm.weight
+    assert not torch.equal(reciprocal.detach(), reference)
+
+
+def test_temperature_one_skips_the_division_with_the_same_probabilities():
+    g = torch.Generator().manual_seed(6)
+    cond, uncond = torch.randn(64, 17, generator=g) * 3, torch.randn(64, 17, generator=g) * 3
+    divided = torch.softmax((uncond + 1.5 * (cond - uncond)) / 1.0, dim=-1)
+    assert torch.equal(process_logits(cond, uncond, 1.5, 1.0, 0, 1.0), divided)
+    assert torch.equal(process_logits(cond, None, 1.0, 1.0, 0, 1.0), torch.softmax(cond / 1.0, dim=-1))
+
+
 def test_layout_mirrors_llamagen_keys():
     keys = set(tiny_model().state_dict())
     for key in (

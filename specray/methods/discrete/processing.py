@@ -20,13 +20,18 @@ SamplingParams = Sampling
 
 def cfg_combine(cond_logits: torch.Tensor, uncond_logits: torch.Tensor | None, cfg_scale: float) -> torch.Tensor:
     """``l_u + s (l_c - l_u)`` in float32; the cond logits alone when there is no uncond stream."""
-    cond = cond_logits.float()
+    cond = _float32(cond_logits)
     if uncond_logits is None:
         if cfg_scale != 1.0:
             raise ValueError(f"cfg_scale={cfg_scale} needs uncond_logits")
         return cond
-    uncond = uncond_logits.float()
+    uncond = _float32(uncond_logits)
     return uncond + cfg_scale * (cond - uncond)
+
+
+def _float32(x: torch.Tensor) -> torch.Tensor:
+    """``x.float()`` without its dispatch when ``x`` already is float32 (once per model call)."""
+    return x if x.dtype == torch.float32 else x.float()
 
 
 def top_k_mask(logits: torch.Tensor, top_k: int) -> torch.Tensor:
@@ -61,7 +66,8 @@ def process_logits(
 ) -> torch.Tensor:
     """Processed sampling distribution ``[..., V]`` float32 from raw logits ``[..., V]``."""
     logits = cfg_combine(cond_logits, uncond_logits, cfg_scale)
-    logits = logits / max(float(temperature), MIN_TEMPERATURE)
+    if temperature != 1.0:  # dividing by 1 is exact: skip the op
+        logits = logits / max(float(temperature), MIN_TEMPERATURE)
     logits = top_k_mask(logits, int(top_k))
     logits = top_p_mask(logits, float(top_p))
     return torch.softmax(logits, dim=-1, dtype=torch.float32)
