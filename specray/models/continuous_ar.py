@@ -161,7 +161,7 @@ def _time_frequencies(half: int, max_period: float, device: torch.device) -> tor
 
 def _sequential(layers: nn.Sequential, x: torch.Tensor) -> torch.Tensor:
     """``layers(x)`` through each layer's ``forward``: ``Module.__call__`` costs about a microsecond a
-    call, some 40 times a head call."""
+    call, up to 38 times a head call."""
     for layer in layers:
         x = layer.forward(x)
     return x
