@@ -105,20 +105,19 @@ def test_noise_indexed_by_position_prefill_equals_target_only(real_pair) -> None
     assert torch.equal(out.images[:, :2, :], base.images[:, :2, :])
 
 
-def test_head_frequencies_are_cached_with_the_formula_bits_and_serve_training() -> None:
-    """The head's timestep embedding reads its frequencies from a cache: the bits of computing them per
-    call, and a plain tensor even when the first call came in inference mode (training reuses it)."""
+def test_head_frequencies_are_cached_per_size_with_the_formula_bits() -> None:
+    """The head's timestep embedding reads its frequencies from a cache: at widths 160 and 64 (the
+    presets' heads) and timesteps 0..999, exactly the embedding computed per call, and the cached
+    tensor is a plain one even when the first call came in inference mode (training reads it too)."""
     from specray.models import continuous_ar
 
-    continuous_ar._time_frequencies.cache_clear()
-    t = torch.tensor([0, 1, 17, 500, 999])
-    with torch.inference_mode():
-        cached = continuous_ar.timestep_embedding(t, 160)
-    freqs = torch.exp(-math.log(10000.0) * torch.arange(80, dtype=torch.float32) / 80)
-    args = t.to(torch.float32).unsqueeze(-1) * freqs
-    assert torch.equal(cached, torch.cat([torch.cos(args), torch.sin(args)], dim=-1))
-    assert not continuous_ar._time_frequencies(80, 10000.0, t.device).is_inference()
-    head = load_pair("digits-mar-target", None, torch.device("cpu")).target.head
-    x = torch.randn(3, 4, requires_grad=True)
-    head(x, torch.tensor([1, 2, 3]), torch.randn(3, 96)).sum().backward()  # autograd through the cached tensor
-    assert x.grad is not None
+    continuous_ar._cached_time_frequencies.cache_clear()
+    t = torch.arange(1000)
+    for width in (160, 64, 160):  # a cache keyed without the size would serve 160's to 64
+        with torch.inference_mode():
+            cached = continuous_ar.timestep_embedding(t, width)
+        freqs = torch.exp(-math.log(10000.0) * torch.arange(width // 2, dtype=torch.float32) / (width // 2))
+        args = t.to(torch.float32).unsqueeze(-1) * freqs
+        assert torch.equal(cached, torch.cat([torch.cos(args), torch.sin(args)], dim=-1)), width
+    assert continuous_ar._cached_time_frequencies.cache_info().misses == 2
+    assert not continuous_ar._cached_time_frequencies(80, 10000.0, t.device).is_inference()

@@ -318,11 +318,19 @@ def test_rms_norm_in_cpu_inference_gives_the_autograd_path_bits():
 
 
 def test_temperature_one_skips_the_division_with_the_same_probabilities():
+    """64 rows of 17 logits (seed 6), no tolerance: temperature 1 gives the probabilities of dividing by 1,
+    another temperature still divides, and half-precision logits are still cast to float32."""
     g = torch.Generator().manual_seed(6)
     cond, uncond = torch.randn(64, 17, generator=g) * 3, torch.randn(64, 17, generator=g) * 3
-    divided = torch.softmax((uncond + 1.5 * (cond - uncond)) / 1.0, dim=-1)
-    assert torch.equal(process_logits(cond, uncond, 1.5, 1.0, 0, 1.0), divided)
+    guided = uncond + 1.5 * (cond - uncond)
+    assert torch.equal(process_logits(cond, uncond, 1.5, 1.0, 0, 1.0), torch.softmax(guided / 1.0, dim=-1))
     assert torch.equal(process_logits(cond, None, 1.0, 1.0, 0, 1.0), torch.softmax(cond / 1.0, dim=-1))
+    assert torch.equal(process_logits(cond, uncond, 1.5, 0.7, 0, 1.0), torch.softmax(guided / 0.7, dim=-1))
+    assert not torch.equal(process_logits(cond, uncond, 1.5, 0.7, 0, 1.0), torch.softmax(guided, dim=-1))
+    cond16, uncond16 = cond.bfloat16(), uncond.bfloat16()
+    half = process_logits(cond16, uncond16, 1.5, 1.0, 0, 1.0)
+    assert half.dtype == torch.float32
+    assert torch.equal(half, torch.softmax(uncond16.float() + 1.5 * (cond16.float() - uncond16.float()), dim=-1))
 
 
 def test_layout_mirrors_llamagen_keys():

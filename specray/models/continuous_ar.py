@@ -144,19 +144,24 @@ class Block(nn.Module):
 def timestep_embedding(t: torch.Tensor, dim: int, max_period: float = 10000.0) -> torch.Tensor:
     half = dim // 2
     if torch.compiler.is_compiling():  # the graph computes them itself
-        freqs = _time_frequencies.__wrapped__(half, max_period, t.device)
+        freqs = time_frequencies(half, max_period, t.device)
     else:
-        freqs = _time_frequencies(half, max_period, t.device)
+        freqs = _cached_time_frequencies(half, max_period, t.device)
     args = t.to(torch.float32).unsqueeze(-1) * freqs
     return torch.cat([torch.cos(args), torch.sin(args)], dim=-1)
 
 
+def time_frequencies(half: int, max_period: float, device: torch.device) -> torch.Tensor:
+    """The timestep embedding's ``half`` frequencies."""
+    return torch.exp(-math.log(max_period) * torch.arange(half, dtype=torch.float32, device=device) / half)
+
+
 @functools.lru_cache(maxsize=16)
-def _time_frequencies(half: int, max_period: float, device: torch.device) -> torch.Tensor:
-    """The embedding's frequencies, computed once per size and device by the same ops; read-only
-    (a head call at a few rows costs about 2 µs an op, and the head runs 50 times a token)."""
+def _cached_time_frequencies(half: int, max_period: float, device: torch.device) -> torch.Tensor:
+    """:func:`time_frequencies`, computed once per size and device (the same ops, so the same values);
+    read-only. A head call at a few rows costs about 2 µs an op, and the head runs 50 times a token."""
     with torch.inference_mode(False):  # a plain tensor, whichever mode the first call came in
-        return torch.exp(-math.log(max_period) * torch.arange(half, dtype=torch.float32, device=device) / half)
+        return time_frequencies(half, max_period, device)
 
 
 def _sequential(layers: nn.Sequential, x: torch.Tensor) -> torch.Tensor:
