@@ -41,6 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specray.models import buffer_reuse
 from specray.models.captions import CAPTION_PADDINGS, CaptionEmbedder
 from specray.models.conditioning import TextConditionEmbedding
 from specray.models.pair import ModelPair
@@ -508,10 +509,11 @@ def kv_slots(*leading: int, max_len: int, n_head: int, head_dim: int, like: torc
 
     ``slots`` is ``max_len``, on a CPU rounded up to :func:`cpu_attention_slots`: a call whose span
     reaches the cache's end then sums as one that stops short of it, so a row's bits do not depend on
-    how far its batch companions are (69 slots against 64 differ in the last bits on AVX2)."""
+    how far its batch companions are (69 slots against 64 differ in the last bits on AVX2).
+    Inside :func:`specray.models.buffer_reuse.reusing`, the previous run's slots, zeroed again."""
     if like.device.type == "cpu":
         max_len = cpu_attention_slots(max_len)
-    storage = torch.zeros(*leading, n_head, max_len, head_dim, dtype=like.dtype, device=like.device)
+    storage = buffer_reuse.zeros(*leading, n_head, max_len, head_dim, dtype=like.dtype, device=like.device)
     return storage.transpose(-3, -2)
 
 

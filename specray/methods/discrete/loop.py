@@ -56,6 +56,7 @@ from specray.methods.common import GenerationResult, RoundTally, SampleStats, bi
 from specray.methods.discrete.params import Sampling, Speculative
 from specray.methods.discrete.processing import process_with
 from specray.methods.discrete.rules import Verifier
+from specray.models import buffer_reuse
 from specray.models.discrete_ar import DiscreteGPT
 from specray.models.pair import ModelPair
 from specray.models.tokenizers import to_images
@@ -423,7 +424,7 @@ def generate_tokens(method: str | Method, params: Any, pair: ModelPair, labels: 
         raise ValueError(f"labels and sample_ids must be 1-D of equal length, got {tuple(labels.shape)} and {tuple(sample_ids.shape)}")
     if labels.numel() and (int(labels.min()) < 0 or int(labels.max()) >= num_classes):
         raise ValueError(f"class labels must be in [0, {num_classes - 1}], got range [{int(labels.min())}, {int(labels.max())}]")
-    with torch.inference_mode():
+    with torch.inference_mode(), buffer_reuse.reusing():  # the caches reuse the last run's memory
         if isinstance(params, Speculative):
             if pair.draft is None:
                 raise ValueError(f"method {method.name!r} needs a draft model; the pair has none")

@@ -1,0 +1,104 @@
+"""Reused cache buffers (specray.models.buffer_reuse): zeroed, never shared, bounded, and the samples unchanged."""
+
+import torch
+
+from specray.methods.discrete.loop import generate_tokens
+from specray.models import buffer_reuse
+from specray.models.discrete_ar import kv_slots, load_pair
+
+CPU = torch.device("cpu")
+
+
+def _zeros(*shape):
+    return buffer_reuse.zeros(*shape, dtype=torch.float32, device=CPU)
+
+
+def test_outside_a_run_every_buffer_is_fresh():
+    first = _zeros(3, 4)
+    first.fill_(1.0)
+    del first
+    assert torch.equal(_zeros(3, 4), torch.zeros(3, 4))
+
+
+def test_a_run_reuses_the_last_runs_buffers_zeroed_again():
+    with buffer_reuse.reusing():
+        a, b = _zeros(3, 4), _zeros(3, 4)
+        a.fill_(1.0), b.fill_(2.0)
+        pointers = {a.data_ptr(), b.data_ptr()}
+        assert len(pointers) == 2  # two live buffers of one shape are two buffers
+        del a, b
+    with buffer_reuse.reusing():
+        c, d = _zeros(3, 4), _zeros(3, 4)
+        assert {c.data_ptr(), d.data_ptr()} == pointers
+        assert torch.equal(c, torch.zeros(3, 4)) and torch.equal(d, torch.zeros(3, 4))
+        assert c.is_contiguous() and c.dtype == torch.float32
+
+
+def test_a_buffer_whose_view_outlived_its_run_is_not_handed_out():
+    with buffer_reuse.reusing():
+        kept = kv_slots(2, max_len=16, n_head=2, head_dim=4, like=torch.zeros(1))[0]  # a view of the buffer
+        kept.fill_(5.0)
+    with buffer_reuse.reusing():
+        fresh = kv_slots(2, max_len=16, n_head=2, head_dim=4, like=torch.zeros(1))
+        assert fresh.untyped_storage().data_ptr() != kept.untyped_storage().data_ptr()
+        assert torch.equal(kept, torch.full_like(kept, 5.0))  # the kept view is left alone
+
+
+def test_a_buffer_no_run_takes_is_dropped_after_keep_idle_runs():
+    with buffer_reuse.reusing():
+        kept = _zeros(5)
+        pointer = kept.data_ptr()
+        del kept
+    for _ in range(buffer_reuse.KEEP_IDLE_RUNS):  # other shapes: the (5,) buffer waits
+        with buffer_reuse.reusing():
+            _zeros(7)
+    assert {key[0] for key in buffer_reuse._pool.free} == {(5,), (7,)}
+    with buffer_reuse.reusing():
+        assert _zeros(5).data_ptr() == pointer  # still there after KEEP_IDLE_RUNS idle runs
+    for _ in range(buffer_reuse.KEEP_IDLE_RUNS + 1):
+        with buffer_reuse.reusing():
+            _zeros(7)
+    assert [key[0] for key in buffer_reuse._pool.free] == [(7,)]  # one more idle run: dropped
+
+
+def test_nested_runs_belong_to_the_outer_one():
+    with buffer_reuse.reusing():
+        with buffer_reuse.reusing():
+            inner = _zeros(6)
+        assert buffer_reuse._pool.active  # the inner exit did not end the run
+        inner_pointer = inner.data_ptr()
+        del inner
+    with buffer_reuse.reusing():
+        assert _zeros(6).data_ptr() == inner_pointer
+
+
+def _pooled_pointers(idle_runs: int | None = None) -> set[int]:
+    """Buffers in the pool (only those ``idle_runs`` runs untaken, if given)."""
+    return {buffer.data_ptr() for buffers in buffer_reuse._pool.free.values() for buffer, idle in buffers
+            if idle_runs is None or idle == idle_runs}
+
+
+def test_samples_are_the_same_with_reused_caches():
+    """Runs of several arms and batch sizes, one after another, reuse each other's caches; every sample
+    equals a run on fresh caches (batches of 3 and 2, seed 11, compared bit for bit)."""
+    pair = load_pair("digits-gpt-target", "digits-gpt-draft", "cpu")
+    # Batch-major as an actor runs them: target_only's caches (64 slots) wait through sd's and cool_sd's (80).
+    runs = [("target_only", {}, 3), ("sd", {"gamma": 3}, 3), ("cool_sd", {"gamma": 3}, 3)] * 2 + [("sd", {"gamma": 3}, 2)]
+
+    def generate(method, params, batch):
+        labels = torch.arange(batch) % 10
+        return generate_tokens(method, params, pair, labels, torch.arange(batch) + 40, seed=11)
+
+    fresh = []
+    for method, params, batch in runs:
+        buffer_reuse._pool.free = {}  # no buffer to reuse
+        fresh.append(generate(method, params, batch))
+    buffer_reuse._pool.free = {}
+    reused_runs = 0
+    for (method, params, batch), (tokens, stats) in zip(runs, fresh):
+        before = _pooled_pointers()
+        reused_tokens, reused_stats = generate(method, params, batch)
+        reused_runs += bool(before & _pooled_pointers(idle_runs=0))  # this run took an earlier run's buffer
+        assert torch.equal(reused_tokens, tokens), (method, batch)
+        assert repr(reused_stats) == repr(stats)
+    assert reused_runs == 4  # the runs of 3 rows after the first two; not the run of 2 rows
