@@ -103,6 +103,28 @@ def test_batch_composition_does_not_change_samples() -> None:
         assert single.stats[0].num_spec_steps == batch.stats[r].num_spec_steps
 
 
+@pytest.mark.parametrize("method,drafter", [("spec_block", "frozen"), ("spec_block", "free"), ("spec_token", "model")])
+def test_one_row_residual_draws_on_the_host_change_no_bit(method: str, drafter: str, monkeypatch) -> None:
+    """At batch 1 the residual's Newton solve runs on the host (``ONE_ROW_ON_HOST``): the images and
+    statistics are those of the solve on 1-element tensors (2 samples, K = 30, seed 4)."""
+    from specray.methods.diffusion import residual
+
+    pair = random_pair()
+    params = {"num_steps": 30, "drafter": drafter, "gamma": 5, "rejection": "residual"}
+    solves = []
+    real = residual._sample_psi_one_row
+    monkeypatch.setattr(residual, "_sample_psi_one_row", lambda *args: solves.append(args) or real(*args))
+    runs = {}
+    for on_host in (True, False):
+        monkeypatch.setattr(residual, "ONE_ROW_ON_HOST", on_host)
+        runs[on_host] = [diffusion_loop.run_batch(method, params, pair, torch.tensor([label]), torch.tensor([label]), seed=4)
+                         for label in (2, 7)]
+    assert solves  # rows were cut and redrawn on the host
+    for host, tensors in zip(runs[True], runs[False]):
+        assert torch.equal(host.images, tensors.images)
+        assert host.stats == tensors.stats
+
+
 def test_resolve_params_errors() -> None:
     resolve = family("diffusion").parse_params
     with pytest.raises(ParamError, match="^rejection: must be one of 'residual'"):

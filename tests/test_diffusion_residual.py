@@ -13,6 +13,7 @@ import pytest
 import torch
 from scipy import integrate, stats
 
+from specray.methods.diffusion import residual
 from specray.methods.diffusion.residual import (
     log_residual_mass,
     residual_cdf,
@@ -178,3 +179,59 @@ def test_newton_matches_bisection() -> None:
     newton, bisection = sample_psi(delta, log_alpha, u), sample_psi(delta, log_alpha, u, method="bisection")
     assert torch.all(torch.isfinite(newton))
     assert torch.max(torch.abs(newton - bisection) / (1 + bisection.abs())) < 1e-8
+
+
+def test_one_row_on_the_host_gives_the_tensor_paths_bits(monkeypatch) -> None:
+    """A one-row draw (``ONE_ROW_ON_HOST``: the Newton solve on Python floats, the transcendentals by torch
+    on one element) against the same draw on 1-element tensors, bit for bit: 1,500 random (alpha, delta, u)
+    (seed 41; delta and -log alpha log-normal over many decades, alpha = 1 for a tenth, u = 1 for 25 and
+    u = e^(-700 U) for 50). The draw reaches the far-tail branches (c < -30), the lower bracket end below
+    a = -600, the bisection fallback and the loop's three exits (a fixed point, a period of 2, all 16 steps)."""
+    gen = torch.Generator().manual_seed(41)
+    n = 1500
+    delta = torch.exp(3 * torch.randn(n, dtype=torch.float64, generator=gen))
+    log_alpha = -torch.exp(3 * torch.randn(n, dtype=torch.float64, generator=gen))
+    log_alpha[: n // 10] = 0.0
+    u = 1 - torch.rand(n, dtype=torch.float64, generator=gen)
+    u[n // 10 : n // 10 + 25] = 1.0
+    u[n // 10 + 25 : n // 10 + 75] = torch.exp(-700 * torch.rand(50, dtype=torch.float64, generator=gen))
+    rows = [(delta[i : i + 1], log_alpha[i : i + 1], u[i : i + 1]) for i in range(n)]
+    on_host = torch.cat([sample_psi(*row) for row in rows])
+    monkeypatch.setattr(residual, "ONE_ROW_ON_HOST", False)
+    on_tensors = torch.cat([sample_psi(*row) for row in rows])
+    assert torch.isfinite(on_tensors).all()
+    assert torch.equal(on_host.view(torch.int64), on_tensors.view(torch.int64))
+    c = delta / 2 + log_alpha / delta
+    a = [math.log(u[i].item()) + residual._log_G_at_one(c[i].item(), 0.0, delta[i].item(), log_alpha[i].item())
+         - log_alpha[i].item() for i in range(n)]
+    assert int((c < -30).sum()) > 100 and sum(x < -600 for x in a) > 20
+
+
+def test_one_row_on_the_host_is_taken_only_for_one_cpu_row(monkeypatch) -> None:
+    calls = []
+    real = residual._sample_psi_one_row
+    monkeypatch.setattr(residual, "_sample_psi_one_row", lambda *args: calls.append(args) or real(*args))
+    one = sample_psi(f64([0.7]), f64([-0.2]), f64([0.4]))
+    assert one.shape == (1,) and one.dtype == torch.float64 and len(calls) == 1
+    assert sample_psi(f64(0.7), f64(-0.2), f64(0.4)).shape == () and len(calls) == 2
+    sample_psi(f64([0.7, 0.8]), f64(-0.2), f64(0.4))
+    sample_psi(f64([0.7]), f64([-0.2]), f64([0.4]), method="bisection")
+    assert len(calls) == 2
+
+
+def test_one_row_on_the_host_in_a_new_thread_inside_and_outside_inference_mode() -> None:
+    """The host path's scratch tensor is per thread and made outside inference mode, so a thread whose
+    first draw runs inside ``torch.inference_mode`` can draw outside it later."""
+    import threading
+
+    results = []
+
+    def draws() -> None:
+        with torch.inference_mode():
+            results.append(sample_psi(f64([0.7]), f64([-0.2]), f64([0.4])))
+        results.append(sample_psi(f64([0.7]), f64([-0.2]), f64([0.4])))
+
+    thread = threading.Thread(target=draws)
+    thread.start()
+    thread.join()
+    assert len(results) == 2 and torch.equal(results[0], results[1])
