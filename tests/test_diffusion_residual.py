@@ -235,3 +235,17 @@ def test_one_row_on_the_host_in_a_new_thread_inside_and_outside_inference_mode()
     thread.start()
     thread.join()
     assert len(results) == 2 and torch.equal(results[0], results[1])
+
+
+def test_one_row_on_the_host_at_the_edges(monkeypatch) -> None:
+    """Zero, subnormal, huge, infinite and NaN inputs (336 combinations of delta, log alpha and u, in and
+    out of the sampler's domain): the host path gives the tensor path's bits, and never raises where it
+    does not (delta = 0 takes the tensor path: Python's division by zero would raise)."""
+    deltas = [0.0, 1e-300, 1e-12, 0.5, 40.0, 1e300, math.inf, math.nan]
+    log_alphas = [0.0, -1e-300, -0.3, -50.0, -1e300, -math.inf, math.nan]
+    us = [0.0, 1e-320, 1e-300, 0.3, 1.0, math.nan]
+    cases = [(f64([d]), f64([a]), f64([u])) for d in deltas for a in log_alphas for u in us]
+    on_host = torch.cat([sample_psi(*case) for case in cases])
+    monkeypatch.setattr(residual, "ONE_ROW_ON_HOST", False)
+    on_tensors = torch.cat([sample_psi(*case) for case in cases])
+    assert torch.equal(on_host.view(torch.int64), on_tensors.view(torch.int64))
