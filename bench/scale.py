@@ -5,6 +5,10 @@ on a local Ray, this process being the driver, and prints the wall time, the thr
 driver's peak resident memory. The driver holds only shard ranges and counters, so its peak RSS
 must not grow with the sample count: compare ``--per-class 500`` with ``--per-class 5000``.
 
+Then, as ``specray run`` does (unless ``--no-reduce`` or the job's ``eval.fid: false``), it scores
+the run with the reducer and prints the reducer's wall time and the job's: generation plus reduce,
+the time a user of ``specray run`` waits.
+
 It then reads the committed rows back and prints each arm's seconds in batches (the sum and the
 median batch, on the actors) and each actor's busy seconds. Two runs of one job differ by the
 machine's state as well as by the code: an arm whose code a change leaves alone (``target_only``,
@@ -96,6 +100,7 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=None, help="override the job's batch_size")
     parser.add_argument("--shard-batches", type=int, default=None, help="override the job's shard_batches")
     parser.add_argument("--num-cpus", type=int, default=None, help="CPUs of the local Ray (default: all)")
+    parser.add_argument("--no-reduce", action="store_true", help="time the generation only, as `specray run --no-reduce`")
     parser.add_argument("--json", help="also write the numbers here")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -128,6 +133,13 @@ def main() -> None:
         "driver_rss_end_mb": round(current_rss_mb(), 1),
         "driver_peak_rss_mb": round(peak_rss_mb(), 1),
     }
+    if spec.eval.fid and not args.no_reduce:
+        from specray.eval.reduce import reduce_run
+
+        began = time.perf_counter()
+        reduce_run(spec.output, print_table=True, storage_options=spec.storage_options or None)
+        numbers["reduce_wall_s"] = round(time.perf_counter() - began, 1)
+        numbers["job_wall_s"] = round(wall + numbers["reduce_wall_s"], 1)
     numbers["batch_seconds"] = batch_seconds(spec.output, spec.batch_size)
     print(json.dumps(numbers, indent=2))
     for name, row in numbers["batch_seconds"].items():
@@ -138,6 +150,9 @@ def main() -> None:
     print(f"wall time {wall / 60:.1f} min for {numbers['rows']} rows ({numbers['rows_per_s']} rows/s, "
           f"{result.actors} actors on {', '.join(numbers['machine']) or 'no new actors'}); "
           f"driver peak RSS {numbers['driver_peak_rss_mb']} MB")
+    if "job_wall_s" in numbers:
+        print(f"reduce {numbers['reduce_wall_s']} s: the job (generation and reduce) took "
+              f"{numbers['job_wall_s'] / 60:.1f} min")
     if args.json:
         Path(args.json).write_text(json.dumps(numbers, indent=2) + "\n")
 

@@ -189,10 +189,11 @@ def sample_psi(delta: torch.Tensor, log_alpha: torch.Tensor, u: torch.Tensor, me
         raise ValueError(f"method must be 'newton' or 'bisection', got {method!r}")
     delta, log_alpha, u = _as_f64(delta, log_alpha, u)
     delta, log_alpha, u = torch.broadcast_tensors(delta, log_alpha, u)
-    one_row = method == "newton" and delta.numel() == 1 and delta.device.type == "cpu" and ONE_ROW_ON_HOST
-    if one_row and delta.item() != 0.0:  # (Python's division by zero raises where torch's gives inf or NaN)
-        s = _sample_psi_one_row(delta.item(), log_alpha.item(), u.item())
-        return torch.tensor(s, dtype=torch.float64).reshape(delta.shape)
+    if method == "newton" and delta.numel() == 1 and delta.device.type == "cpu" and ONE_ROW_ON_HOST:
+        row_delta = delta.item()
+        if row_delta != 0.0:  # Python's division by zero raises where torch's gives inf or NaN
+            s = _sample_psi_one_row(row_delta, log_alpha.item(), u.item())
+            return torch.tensor(s, dtype=torch.float64).reshape(delta.shape)
     c = threshold(delta, log_alpha)
     target = torch.log(u) + _log_G_offset(torch.zeros_like(c), c, delta, log_alpha)
     a = target - log_alpha
