@@ -268,8 +268,8 @@ _one_element = _OneElement()  # per thread: the loops of two threads may solve a
 
 
 def _on_one(op: Callable[[torch.Tensor], torch.Tensor], x: float) -> float:
-    """The in-place ``op`` (the same kernel as its out-of-place twin) on a 1-element float64 tensor
-    holding ``x``; a reused tensor costs a third of a new one."""
+    """``op`` (in place where torch has that: the same kernel as its out-of-place twin) on a 1-element
+    float64 tensor holding ``x``; a reused tensor costs a third of a new one."""
     return op(_one_element.buffer.fill_(x)).item()
 
 
@@ -337,7 +337,7 @@ def _sample_psi_one_row(delta: float, log_alpha: float, u: float) -> float:
     if a < -600.0:
         lo = -_on_one(torch.Tensor.sqrt_, -2 * a)
     else:
-        lo = torch.special.ndtri(_one_element.buffer.fill_(_on_one(torch.Tensor.exp_, a))).item()
+        lo = _on_one(torch.special.ndtri, _on_one(torch.Tensor.exp_, a))
     lo = _clamp_max(lo - c, 0.0)
     return c + _newton_one_row(lo, 0.0, c, delta, log_alpha, target)
 
@@ -346,19 +346,19 @@ def _newton_one_row(lo: float, hi: float, c: float, delta: float, log_alpha: flo
     """:func:`_newton` of one element: the same steps, the same early stop on a recurring state."""
     states = [(lo, lo, hi)]
     check_finite = not lo >= -1e307
-    bits = [_bits(lo)]
+    keys = [_bits(states[0])]  # (v, lo, hi) as bit patterns: -0.0 and NaNs compared as torch.equal on views
     for i in range(NEWTON_STEPS):
         states.append(_newton_step_one(*states[-1], c, delta, log_alpha, target, check_finite))
-        bits.append(_bits(states[-1][0]))
-        if bits[-1] == bits[-2]:
+        keys.append(_bits(states[-1]))
+        if keys[-1][0] == keys[-2][0]:
             return states[-1][0]
-        if i >= 1 and bits[-1] == bits[-3] and list(map(_bits, states[-1][1:])) == list(map(_bits, states[-3][1:])):
+        if i >= 1 and keys[-1] == keys[-3]:
             return states[-1 if (NEWTON_STEPS - 1 - i) % 2 == 0 else -2][0]  # period 2 from here on
     return states[-1][0]
 
 
-def _bits(x: float) -> int:
-    return struct.unpack("<q", struct.pack("<d", x))[0]
+def _bits(state: tuple[float, float, float]) -> tuple[int, ...]:
+    return struct.unpack("<3q", struct.pack("<3d", *state))
 
 
 def _same_bits(a: tuple[torch.Tensor, ...], b: tuple[torch.Tensor, ...]) -> bool:
