@@ -11,6 +11,7 @@ import torch.nn.functional as F
 import specray.models.discrete_ar as discrete_ar
 from specray.families import format_options
 from specray.methods.discrete.loop import run_batch
+from specray.models import decode_attention
 from specray.models.captions import set_caption_features
 from specray.models.checkpoints.llamagen_t2i import load
 from specray.models.discrete_ar import (
@@ -77,7 +78,8 @@ def model():
 
 @pytest.fixture
 def spans(monkeypatch):
-    """The key length of every SDPA call, in order."""
+    """The key length of every SDPA call, in order (the decode-attention kernel off, so every call is one)."""
+    monkeypatch.setattr(decode_attention, "ENABLED", False)
     recorded = []
     sdpa = F.scaled_dot_product_attention
 

@@ -35,13 +35,13 @@ import functools
 import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specray.models import buffer_reuse
+from specray.models import buffer_reuse, decode_attention
 from specray.models.captions import CAPTION_PADDINGS, CaptionEmbedder
 from specray.models.conditioning import TextConditionEmbedding
 from specray.models.pair import ModelPair
@@ -202,7 +202,7 @@ class Attention(nn.Module):
         rope: tuple[torch.Tensor, torch.Tensor],
         mask: torch.Tensor,
         kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor] | None,
-        compiled: bool = False,
+        attend: Callable[..., torch.Tensor] = F.scaled_dot_product_attention,
     ) -> torch.Tensor:
         """``x [R, n, D]``; ``rope``: see :func:`apply_rope`; ``mask [R, 1, n, S]``: bool (True = may attend),
         or its :func:`additive_mask` (on a CPU the eager calls over the cache build it once for every layer).
@@ -211,8 +211,9 @@ class Attention(nn.Module):
         ``[R_all, S, H, hd]`` written at ``[write_rows [R, 1], positions [R, n]]`` (or at two slices, or
         by a :class:`BlockWrite` given as ``write_rows``: see :func:`cache_write_index`) and then read
         for ``read_rows`` (None: all cache rows in order, read without a gather copy).
-        Without it, attention runs over the ``n`` given positions only. ``compiled``: the graph is
-        being captured by torch.compile, which fuses :func:`explicit_attention` into a few loops.
+        Without it, attention runs over the ``n`` given positions only. ``attend``: the attention
+        function, SDPA's signature (:func:`explicit_attention` while torch.compile captures the step,
+        which fuses it into a few loops; a decode step's kernel on a CPU, :mod:`~specray.models.decode_attention`).
         """
         r, n, d = x.shape
         qkv = F.linear(x, self.wqkv.weight)  # module call overhead matters at these sizes
@@ -234,7 +235,6 @@ class Attention(nn.Module):
                 k_cache, v_cache = k_cache[:, :span], v_cache[:, :span]
             k = k_cache if read_rows is None else gather_rows(k_cache, read_rows)
             v = v_cache if read_rows is None else gather_rows(v_cache, read_rows)
-        attend = explicit_attention if compiled else F.scaled_dot_product_attention
         out = attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask)
         out = F.linear(out.transpose(1, 2).reshape(r, n, -1), self.wo.weight)
         return self.resid_dropout(out) if self.training else out
@@ -382,9 +382,9 @@ class TransformerBlock(nn.Module):
         self.attention_norm = RMSNorm(config.dim, config.norm_eps)
         self.ffn_norm = RMSNorm(config.dim, config.norm_eps)
 
-    def forward(self, x, rope, mask, kv=None, compiled=False):  # type: ignore[no-untyped-def]
+    def forward(self, x, rope, mask, kv=None, attend=F.scaled_dot_product_attention):  # type: ignore[no-untyped-def]
         # The submodules' forward directly: Module.__call__ costs about a microsecond a call, 5 a layer.
-        h = x + self.attention.forward(self.attention_norm.forward(x), rope, mask, kv, compiled)
+        h = x + self.attention.forward(self.attention_norm.forward(x), rope, mask, kv, attend)
         return h + self.feed_forward.forward(self.ffn_norm.forward(h))
 
 
@@ -721,11 +721,14 @@ class DiscreteGPT(nn.Module):
         rope = self._rotary(positions)
         slots = torch.arange(span, device=h.device)
         mask = (slots[None, None, :] <= positions[:, :, None])[:, None]  # [r, 1, n, span]
-        if not compiled:
+        if compiled:
+            attend = explicit_attention
+        else:
             mask = additive_mask(mask, h.dtype)
+            attend = decode_attention.attention_for(h, self.config.n_head, self.config.head_dim, h.shape[1], span)
         write_rows, write_slots = cache_write_index(positions, rows, self.config.n_head)
         for i, layer in enumerate(self.layers):
-            h = layer.forward(h, rope, mask, (keys[i], values[i], rows, write_rows, write_slots), compiled)
+            h = layer.forward(h, rope, mask, (keys[i], values[i], rows, write_rows, write_slots), attend)
         if rows is None:
             lengths.copy_(positions[:, -1] + 1)
         else:

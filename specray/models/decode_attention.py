@@ -1,0 +1,131 @@
+"""A CPU decode step's attention without the BLAS calls: the bits of torch's kernel, about 4x cheaper.
+
+On a CPU, ``F.scaled_dot_product_attention`` runs a flash-attention kernel that makes two BLAS calls for
+every (row, head): at one query over 16-80 slots of 16-float heads those calls are most of its time, and
+attention most of a target step at batch 128. ``csrc/decode_attention.cpp`` computes the same steps with
+the BLAS's own summation orders written out, so every output has the same bits.
+
+Those orders belong to the BLAS build and the CPU (measured here: MKL 2024.2, AVX2). So the kernel is
+used only after it has matched torch's kernel value for value on every span it serves
+(:data:`SPANS`, :func:`_matches_torch`), in this process; on any difference, on a CPU without AVX2, or
+when it cannot be compiled (it is built with torch's C++ extension tools on first use, about a minute,
+then cached), calls stay with torch's kernel, which gives the same values anyway. Set
+``SPECRAY_DECODE_KERNEL=0`` to skip it. The choice never changes a sample, only the time.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+log = logging.getLogger(__name__)
+
+HEAD_DIM = 16
+# The query counts served: one (a decode step) and 4 to 9 (a verify call of gamma + 1 = 5 tokens among them);
+# the BLAS sums 2 and 3 queries in orders not written out in the kernel.
+QUERIES = (1, 4, 5, 6, 7, 8, 9)
+# The spans served: whole 16-slot vectors up to 192, where the attention spans of the discrete models
+# keep one summation order (discrete_ar.ATTENTION_SPAN_SHORT); longer calls stay with torch's kernel.
+SPANS = tuple(range(16, 193, 16))
+SOURCE = Path(__file__).with_name("csrc") / "decode_attention.cpp"
+ENABLED = os.environ.get("SPECRAY_DECODE_KERNEL", "1") != "0"
+# torch's kernel as imported, for the check: the reference stays torch's whatever later wraps F's function.
+_TORCH_ATTENTION = F.scaled_dot_product_attention
+
+_lock = threading.Lock()
+_built: dict[str, Callable | None] = {}
+_checked: dict[tuple[int, int], bool] = {}  # (threads, queries): the kernel gave torch's values
+
+
+def _build() -> Callable | None:
+    """The compiled extension's function, or None (no AVX2, no compiler): logged once."""
+    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+        log.info("decode attention: CPU capability %s; using torch's kernel", torch.backends.cpu.get_cpu_capability())
+        return None
+    try:
+        from torch.utils.cpp_extension import load
+
+        module = load(name="specray_decode_attention", sources=[str(SOURCE)], verbose=False,
+                      extra_cflags=["-O2", "-mavx2", "-mfma", "-ffp-contract=off", "-DCPU_CAPABILITY_AVX2",
+                                    "-DCPU_CAPABILITY=AVX2"])
+    except Exception as exc:  # no compiler, no ninja, headers missing: torch's kernel does the same work
+        log.warning("decode attention: the CPU kernel did not build (%s); using torch's kernel", exc)
+        return None
+    return module.decode_attention
+
+
+def _cases(queries: int, span: int, generator: torch.Generator) -> tuple[torch.Tensor, ...]:
+    """Inputs laid out as a model call has them: q a slice of the rotated q/k block, k and v head-major
+    cache slots cut to ``span``, a 0/-inf mask with the first slot always open; scores spread wide enough
+    that some weights underflow."""
+    rows, heads, slots = 24, 4, 208
+    qk = torch.randn(rows, queries, 2 * heads, HEAD_DIM, generator=generator) * 3
+    q = qk[:, :, :heads].transpose(1, 2)
+    k, v = (torch.randn(rows, heads, slots, HEAD_DIM, generator=generator)[:, :, :span] for _ in range(2))
+    keep = torch.rand(rows, 1, queries, span, generator=generator) < 0.8
+    keep[..., 0] = True
+    mask = torch.where(keep, 0.0, float("-inf"))
+    return q, k, v, mask
+
+
+def _matches_torch(kernel: Callable, queries: int) -> bool:
+    """Whether ``kernel`` gives torch's values at ``queries`` queries on every span of :data:`SPANS`
+    (3 draws each, seed 0), at the calling thread count."""
+    generator = torch.Generator().manual_seed(0)
+    for span in SPANS:
+        for _ in range(3):
+            q, k, v, mask = _cases(queries, span, generator)
+            want = _TORCH_ATTENTION(q, k, v, attn_mask=mask)
+            got = kernel(q, k, v, mask, HEAD_DIM ** -0.5)
+            if got is None or not torch.equal(got, want):
+                log.warning("decode attention: the CPU kernel differs from torch's at %d queries, span %d, %d "
+                            "threads; using torch's there", queries, span, torch.get_num_threads())
+                return False
+    return True
+
+
+def kernel(queries: int = 1) -> Callable | None:
+    """The kernel if it gives torch's values at ``queries`` queries at this process's thread count, else
+    None (built once per process, checked once per thread count and query count)."""
+    key = (torch.get_num_threads(), queries)
+    if key not in _checked:
+        with _lock:
+            if "kernel" not in _built:
+                _built["kernel"] = _build() if ENABLED else None
+            if key not in _checked:
+                built = _built["kernel"]
+                with torch.inference_mode(False):
+                    _checked[key] = built is not None and queries in QUERIES and _matches_torch(built, queries)
+    return _built["kernel"] if _checked[key] else None
+
+
+def attention_for(x: torch.Tensor, n_head: int, head_dim: int, queries: int, span: int) -> Callable:
+    """The attention function for one call of a discrete model's layers over a CPU cache: the kernel
+    where it serves the call (float32 on a CPU, :data:`QUERIES` queries per row, 16-float heads, a span in
+    :data:`SPANS`, and it matched torch's there), else ``F.scaled_dot_product_attention``."""
+    if (queries not in QUERIES or head_dim != HEAD_DIM or span % 16 or span > SPANS[-1]
+            or x.device.type != "cpu" or x.dtype != torch.float32 or not ENABLED):
+        return F.scaled_dot_product_attention
+    fast = kernel(queries)
+    return F.scaled_dot_product_attention if fast is None else _Kernel(fast)
+
+
+class _Kernel:
+    """``F.scaled_dot_product_attention``'s signature over the kernel (default scale, additive mask)."""
+
+    __slots__ = ("fast",)
+
+    def __init__(self, fast: Callable) -> None:
+        self.fast = fast
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor) -> torch.Tensor:
+        # A bool mask goes to torch's kernel as given (the kernel takes discrete_ar.additive_mask's 0 / -inf).
+        out = self.fast(q, k, v, attn_mask, q.shape[-1] ** -0.5) if attn_mask.dtype == torch.float32 else None
+        # None also: a block off the 64-byte alignment the orders were read at.
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask) if out is None else out

@@ -1,0 +1,127 @@
+"""The CPU decode-attention kernel (specray/models/decode_attention.py): torch's values bit for bit where it
+serves a call, torch's kernel everywhere else, and the samples of the discrete loops unchanged."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from specray.methods.discrete.loop import generate_tokens
+from specray.models import decode_attention
+from specray.models.discrete_ar import load_pair
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    """The kernel as checked at one thread (the actors' setting), or a skip saying why it is absent."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        fast = decode_attention.kernel(1)
+        if fast is None:
+            pytest.skip("the decode-attention kernel did not build or did not match torch's here (see the log)")
+        yield fast
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("queries", [1, 4, 5, 9])
+def test_kernel_gives_torchs_values_on_every_span(kernel, one_thread, queries):
+    # 12 spans x 4 draws x 24 rows x 4 heads x queries x 16 values, seed 7 (not the self-check's seed 0).
+    assert decode_attention.kernel(queries) is kernel
+    generator = torch.Generator().manual_seed(7)
+    for span in decode_attention.SPANS:
+        for _ in range(4):
+            q, k, v, mask = decode_attention._cases(queries, span, generator)
+            want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+            got = kernel(q, k, v, mask, 0.25)
+            assert got.stride() == want.stride()
+            assert torch.equal(got, want), (queries, span)
+
+
+def test_a_row_with_every_slot_masked_gives_torchs_zeros(kernel, one_thread):
+    q, k, v, mask = decode_attention._cases(5, 32, torch.Generator().manual_seed(3))
+    mask[2] = float("-inf")
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    assert torch.equal(kernel(q, k, v, mask, 0.25), want)
+    assert not want[2].any()
+
+
+def test_blocks_off_the_64_byte_alignment_are_handed_back_to_torch(kernel, one_thread):
+    q, k, v, mask = decode_attention._cases(1, 32, torch.Generator().manual_seed(4))
+    shifted = torch.empty(q.numel() + 1)[1:].view_as(q.contiguous())  # 4 bytes off
+    shifted.copy_(q)
+    assert kernel(shifted, k, v, mask, 0.25) is None
+    attend = decode_attention.attention_for(q, 4, 16, 1, 32)
+    assert torch.equal(attend(shifted, k, v, attn_mask=mask), F.scaled_dot_product_attention(q, k, v, attn_mask=mask))
+
+
+def test_the_check_refuses_a_kernel_off_by_one_bit(one_thread):
+    """Negative control for the guard: a kernel whose sums differ from torch's in the last bit anywhere
+    (what another BLAS order gives) is refused."""
+    def off_by_one_bit(q, k, v, mask, scale):
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask).contiguous()
+        flat = out.view(-1)
+        flat[len(flat) // 2] = torch.nextafter(flat[len(flat) // 2], torch.tensor(float("inf")))
+        return out
+
+    def torchs(q, k, v, mask, scale):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+    assert not decode_attention._matches_torch(off_by_one_bit, 5)
+    assert decode_attention._matches_torch(torchs, 5)
+
+
+@pytest.mark.parametrize("why", ["queries", "head_dim", "span", "dtype", "disabled"])
+def test_calls_the_kernel_does_not_serve_go_to_torch(kernel, one_thread, monkeypatch, why):
+    x = torch.zeros(2, 1, 64, dtype=torch.float64 if why == "dtype" else torch.float32)
+    queries = 2 if why == "queries" else 1
+    head_dim = 24 if why == "head_dim" else 16
+    span = 208 if why == "span" else 32
+    if why == "disabled":
+        monkeypatch.setattr(decode_attention, "ENABLED", False)
+    assert decode_attention.attention_for(x, 4, head_dim, queries, span) is F.scaled_dot_product_attention
+    assert decode_attention.attention_for(torch.zeros(2, 1, 64), 4, 16, 1, 32) is not F.scaled_dot_product_attention \
+        or why == "disabled"
+
+
+def test_each_thread_count_is_checked_on_its_own(kernel, one_thread):
+    decode_attention.kernel(5)
+    assert decode_attention._checked[(1, 5)] is True
+    torch.set_num_threads(2)
+    decode_attention.kernel(5)  # torch's BLAS sums otherwise with two threads: checked again, whatever it finds
+    assert (2, 5) in decode_attention._checked
+
+
+@pytest.mark.parametrize("method,params", [
+    ("target_only", {"cfg_scale": 1.5}),
+    ("sd", {"cfg_scale": 1.5, "gamma": 4}),
+    ("cool_sd", {"cfg_scale": 1.5, "gamma": 4}),
+])
+def test_the_loops_give_the_same_samples_with_and_without_the_kernel(kernel, one_thread, monkeypatch, method, params):
+    pair = load_pair("digits-gpt-target", "digits-gpt-draft", "cpu")
+    ids = torch.arange(12) + 40
+    served = []
+    real = decode_attention.attention_for
+
+    def counting(*args):
+        attend = real(*args)
+        served.append(attend is not F.scaled_dot_product_attention)
+        return attend
+
+    monkeypatch.setattr(decode_attention, "attention_for", counting)
+    with_kernel = generate_tokens(method, params, pair, ids % 10, ids, 3)
+    assert any(served)  # the kernel did serve calls of this run
+    monkeypatch.setattr(decode_attention, "ENABLED", False)
+    without = generate_tokens(method, params, pair, ids % 10, ids, 3)
+    assert torch.equal(with_kernel[0], without[0])
+    assert [vars(s) for s in with_kernel[1]] == [vars(s) for s in without[1]]
