@@ -33,8 +33,7 @@ SETTINGS = {"torch": lambda: setattr(decode_attention, "ENABLED", False),
 def main(argv: list[str] | None = None) -> None:
     args = arguments(__doc__, argv, batches="1,32,128")
     torch.set_num_threads(1)
-    for queries in decode_attention.QUERIES:  # build and check outside the timed runs
-        decode_attention.kernel(queries)
+    decode_attention.prepare()  # build and check outside the timed runs
     if decode_attention.kernel(1) is None:
         sys.exit("the decode-attention kernel is not in use here (see the log above)")
     side_by_side("torch's attention kernel vs the decode-attention kernel", SETTINGS, args)

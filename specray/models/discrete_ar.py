@@ -901,6 +901,8 @@ def load_pair(target: str | dict, draft: str | dict | None, device: torch.device
                 raise ValueError(
                     f"draft {draft!r} {field}={getattr(dc, field)} differs from target {target!r} {field}={getattr(tc, field)}"
                 )
+    if device.type == "cpu" and tc.head_dim == decode_attention.HEAD_DIM:
+        decode_attention.prepare()  # its one-off build and checks here, not inside a timed batch
     info = {
         "image_shape": (tc.grid_size, tc.grid_size),
         "vocab_size": tc.vocab_size,
