@@ -61,7 +61,7 @@ def test_blocks_off_the_64_byte_alignment_are_handed_back_to_torch(kernel, one_t
     shifted = torch.empty(q.numel() + 1)[1:].view_as(q.contiguous())  # 4 bytes off
     shifted.copy_(q)
     assert kernel(shifted, k, v, mask, 0.25) is None
-    attend = decode_attention.attention_for(q, 4, 16, 1, 32)
+    attend = decode_attention.attention_for(q, 16, 1, 32)
     assert torch.equal(attend(shifted, k, v, attn_mask=mask), F.scaled_dot_product_attention(q, k, v, attn_mask=mask))
 
 
@@ -89,8 +89,8 @@ def test_calls_the_kernel_does_not_serve_go_to_torch(kernel, one_thread, monkeyp
     span = 208 if why == "span" else 32
     if why == "disabled":
         monkeypatch.setattr(decode_attention, "ENABLED", False)
-    assert decode_attention.attention_for(x, 4, head_dim, queries, span) is F.scaled_dot_product_attention
-    assert decode_attention.attention_for(torch.zeros(2, 1, 64), 4, 16, 1, 32) is not F.scaled_dot_product_attention \
+    assert decode_attention.attention_for(x, head_dim, queries, span) is F.scaled_dot_product_attention
+    assert decode_attention.attention_for(torch.zeros(2, 1, 64), 16, 1, 32) is not F.scaled_dot_product_attention \
         or why == "disabled"
 
 

@@ -1,16 +1,18 @@
-"""A CPU decode step's attention without the BLAS calls: the bits of torch's kernel, about 4x cheaper.
+"""Attention of a discrete model's decode steps and verify calls on a CPU: the bits of torch's kernel,
+without its BLAS calls.
 
 On a CPU, ``F.scaled_dot_product_attention`` runs a flash-attention kernel that makes two BLAS calls for
-every (row, head): at one query over 16-80 slots of 16-float heads those calls are most of its time, and
-attention most of a target step at batch 128. ``csrc/decode_attention.cpp`` computes the same steps with
-the BLAS's own summation orders written out, so every output has the same bits.
+every (row, head): at 1 to 9 queries over 16-192 slots of 16-float heads those calls are most of its
+time, and attention about half of a target step at batch 128. ``csrc/decode_attention.cpp`` computes
+the same steps with the BLAS's own summation orders written out (for 1 and for 4 to 9 queries), so
+every output has the same bits; alone on a call it is 2-3x faster.
 
-Those orders belong to the BLAS build and the CPU (measured here: MKL 2024.2, AVX2). So the kernel is
-used only after it has matched torch's kernel value for value on every span it serves
-(:data:`SPANS`, :func:`_matches_torch`), in this process; on any difference, on a CPU without AVX2, or
-when it cannot be compiled (it is built with torch's C++ extension tools on first use, about a minute,
-then cached), calls stay with torch's kernel, which gives the same values anyway. Set
-``SPECRAY_DECODE_KERNEL=0`` to skip it. The choice never changes a sample, only the time.
+Those orders belong to the BLAS build, the CPU and the thread count (measured here: MKL 2024.2, AVX2,
+one thread). So the kernel serves a query count only after it has matched torch's kernel value for
+value on every span it serves (:data:`SPANS`, :func:`_matches_torch`), in this process at this thread
+count; on any difference, or when it cannot be compiled (it is built with torch's C++ extension tools
+on first use, about 40 s, then cached), calls stay with torch's kernel, which gives the same values
+anyway. Set ``SPECRAY_DECODE_KERNEL=0`` to skip it. The choice never changes a sample, only the time.
 """
 
 from __future__ import annotations
@@ -112,7 +114,7 @@ def prepare() -> None:
         kernel(queries)
 
 
-def attention_for(x: torch.Tensor, n_head: int, head_dim: int, queries: int, span: int) -> Callable:
+def attention_for(x: torch.Tensor, head_dim: int, queries: int, span: int) -> Callable:
     """The attention function for one call of a discrete model's layers over a CPU cache: the kernel
     where it serves the call (float32 on a CPU, :data:`QUERIES` queries per row, 16-float heads, a span in
     :data:`SPANS`, and it matched torch's there), else ``F.scaled_dot_product_attention``."""

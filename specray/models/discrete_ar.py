@@ -725,7 +725,7 @@ class DiscreteGPT(nn.Module):
             attend = explicit_attention
         else:
             mask = additive_mask(mask, h.dtype)
-            attend = decode_attention.attention_for(h, self.config.n_head, self.config.head_dim, h.shape[1], span)
+            attend = decode_attention.attention_for(h, self.config.head_dim, h.shape[1], span)
         write_rows, write_slots = cache_write_index(positions, rows, self.config.n_head)
         for i, layer in enumerate(self.layers):
             h = layer.forward(h, rope, mask, (keys[i], values[i], rows, write_rows, write_slots), attend)
