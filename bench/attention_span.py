@@ -36,8 +36,12 @@ SETTINGS = {"whole": lambda: setattr(discrete_ar, "ATTENTION_SPANS", False),
             "span": lambda: setattr(discrete_ar, "ATTENTION_SPANS", True)}
 
 
-def arguments(doc: str, argv: list[str] | None, batches: str = "1,32,64") -> argparse.Namespace:
+def arguments(doc: str, argv: list[str] | None, batches: str = "1,32,64",
+              extra: Callable[[argparse.ArgumentParser], None] | None = None) -> argparse.Namespace:
+    """The side-by-side benches' options (``extra`` adds a bench's own)."""
     ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    if extra is not None:
+        extra(ap)
     ap.add_argument("--batches", default=batches, help="jobs/fid50k.yaml runs at 128")
     ap.add_argument("--samples-b1", type=int, default=4, help="samples at batch 1 (one batch at larger sizes)")
     ap.add_argument("--reps", type=int, default=5)

@@ -1,42 +1,65 @@
-"""The CPU decode-attention kernel against torch's attention kernel, side by side in one run.
+"""specray's CPU kernels against torch's operations, side by side in one run.
 
 On a CPU the discrete GPTs' calls of one query (decode steps) and of 4 to 9 (verify calls) run
-:mod:`specray.models.decode_attention` where it matched torch's kernel; ``torch`` is what every call did
-before (``SPECRAY_DECODE_KERNEL=0``). For each batch size and arm (fid50k's: target_only, sd, cool_sd,
-gamma 4, CFG 1.5, on digits-gpt-target with the draft digits-gpt-draft) it prints:
+:mod:`specray.models.decode_attention` where it matched torch's kernel, and a verify call's K/V writes
+run the C++ row copies of :class:`specray.models.discrete_ar.BlockWrite`; ``torch`` is what every call did
+before (``SPECRAY_DECODE_KERNEL=0``), ``kernels`` turns on those given by ``--kernels`` (default both).
+For each batch size and arm (fid50k's: target_only, sd, cool_sd, gamma 4, CFG 1.5, on digits-gpt-target
+with the draft digits-gpt-draft) it prints:
 
-- ``torch`` / ``kernel``: ms per sample, median over repetitions, process CPU time; the two settings
+- ``torch`` / ``kernels``: ms per sample, median over repetitions, process CPU time; the two settings
   take turns batch by batch (:func:`bench.pricing.run_in_turns`);
-- ``ratio``: median over repetitions of torch time / kernel time (> 1: the kernel is faster);
-- ``differ``: samples whose tokens or statistics differ between the two, on any repetition (the kernel
-  is meant to change no bit: 0).
+- ``ratio``: median over repetitions of torch time / kernels time (> 1: the kernels are faster);
+- ``differ``: samples whose tokens or statistics differ between the two, on any repetition (the kernels
+  are meant to change no bit: 0).
 
-    python bench/decode_attention.py [--batches 1,32,128] [--reps 5] [--samples-b1 4] [--json out.json]
+    python bench/decode_attention.py [--batches 1,32,128] [--reps 5] [--samples-b1 4]
+                                     [--kernels attention,writes] [--json out.json]
 """
 
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
+from typing import Callable
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.attention_span import arguments, side_by_side  # noqa: E402
-from specray.models import decode_attention  # noqa: E402
+from specray.models import decode_attention, discrete_ar  # noqa: E402
 
-SETTINGS = {"torch": lambda: setattr(decode_attention, "ENABLED", False),
-            "kernel": lambda: setattr(decode_attention, "ENABLED", True)}
+# Each kernel's switch: (module, attribute).
+KERNELS = {"attention": (decode_attention, "ENABLED"), "writes": (discrete_ar, "BLOCK_WRITE_KERNEL")}
+
+
+def settings(kernels: list[str]) -> dict[str, Callable[[], None]]:
+    """``torch``: every kernel off; ``kernels``: those named on."""
+    def apply(on: bool) -> None:
+        for name, (module, switch) in KERNELS.items():
+            setattr(module, switch, on and name in kernels)
+
+    return {"torch": lambda: apply(False), "kernels": lambda: apply(True)}
+
+
+def _kernels_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--kernels", default=",".join(KERNELS),
+                        help=f"the kernels the second setting turns on, comma-separated, of {', '.join(KERNELS)}")
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = arguments(__doc__, argv, batches="1,32,128")
+    args = arguments(__doc__, argv, batches="1,32,128", extra=_kernels_option)
+    kernels = args.kernels.split(",")
+    unknown = sorted(set(kernels) - set(KERNELS))
+    if unknown:
+        sys.exit(f"--kernels: unknown {', '.join(unknown)}; choose from {', '.join(KERNELS)}")
     torch.set_num_threads(1)
     decode_attention.prepare()  # build and check outside the timed runs
     if decode_attention.kernel(1) is None:
-        sys.exit("the decode-attention kernel is not in use here (see the log above)")
-    side_by_side("torch's attention kernel vs the decode-attention kernel", SETTINGS, args)
+        sys.exit("specray's CPU kernels are not in use here (see the log above)")
+    side_by_side(f"torch's operations vs specray's CPU kernels ({', '.join(kernels)})", settings(kernels), args)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """The CPU decode-attention kernel (specray/models/decode_attention.py): torch's values bit for bit where it
-serves a call, torch's kernel everywhere else, and the samples of the discrete loops unchanged."""
+serves a call, torch's kernel everywhere else, and the samples of the discrete loops unchanged (with the
+verify calls' K/V row copies of the same extension)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from specray.methods.discrete.loop import generate_tokens
-from specray.models import decode_attention
+from specray.models import cpu_kernels, decode_attention, discrete_ar
 from specray.models.discrete_ar import load_pair
 
 
@@ -107,21 +108,34 @@ def test_each_thread_count_is_checked_on_its_own(kernel, one_thread):
     ("sd", {"cfg_scale": 1.5, "gamma": 4}),
     ("cool_sd", {"cfg_scale": 1.5, "gamma": 4}),
 ])
-def test_the_loops_give_the_same_samples_with_and_without_the_kernel(kernel, one_thread, monkeypatch, method, params):
+def test_the_loops_give_the_same_samples_with_and_without_the_kernels(kernel, one_thread, monkeypatch, method, params):
+    """The attention kernel and the K/V row copies against torch's operations: 64 samples (128 rows, so
+    the speculative arms' ragged verify calls write by blocks), seed 3; both kernels must serve calls."""
     pair = load_pair("digits-gpt-target", "digits-gpt-draft", "cpu")
-    ids = torch.arange(12) + 40
-    served = []
+    ids = torch.arange(64) + 40
+    served, copied = [], []
     real = decode_attention.attention_for
+    extension = cpu_kernels.extension()
+    real_write = extension.write_blocks
 
     def counting(*args):
         attend = real(*args)
         served.append(attend is not F.scaled_dot_product_attention)
         return attend
 
+    def counting_write(*args):
+        copied.append(real_write(*args))
+        return copied[-1]
+
     monkeypatch.setattr(decode_attention, "attention_for", counting)
-    with_kernel = generate_tokens(method, params, pair, ids % 10, ids, 3)
-    assert any(served)  # the kernel did serve calls of this run
+    monkeypatch.setattr(extension, "write_blocks", counting_write)
+    with_kernels = generate_tokens(method, params, pair, ids % 10, ids, 3)
+    assert any(served)  # the attention kernel did serve calls of this run
+    assert (method == "target_only") != any(copied)  # verify calls wrote by row copies; target_only by slices
     monkeypatch.setattr(decode_attention, "ENABLED", False)
+    monkeypatch.setattr(discrete_ar, "BLOCK_WRITE_KERNEL", False)
+    copied.clear()
     without = generate_tokens(method, params, pair, ids % 10, ids, 3)
-    assert torch.equal(with_kernel[0], without[0])
-    assert [vars(s) for s in with_kernel[1]] == [vars(s) for s in without[1]]
+    assert not copied
+    assert torch.equal(with_kernels[0], without[0])
+    assert [vars(s) for s in with_kernels[1]] == [vars(s) for s in without[1]]

@@ -9,7 +9,7 @@ import torch
 
 from specray.methods.discrete.loop import GuidedModel, sequence_tokens
 from specray.methods.discrete.processing import SamplingParams, process_logits, top_k_mask, top_p_mask
-from specray.models import discrete_ar
+from specray.models import cpu_kernels, discrete_ar
 from specray.models.digits import load_digits_split, to_uint8_pixels
 from specray.models.discrete_ar import (
     BLOCK_WRITE_MIN_TOKENS,
@@ -176,11 +176,15 @@ def test_uniform_positions_write_the_cache_through_slices_with_the_same_results(
     assert torch.equal(sliced_cache.lengths, indexed_cache.lengths)
 
 
-def test_block_write_puts_the_same_values_in_the_same_slots():
-    """BlockWrite against the per-value write: 8 ragged rows of 5 tokens (all rows, and 5 of 12 in
-    shuffled order), 1 token, and a row whose block ends in the last slot; in a cache of its own and in
-    the second layer of a stacked one (a storage offset, as the EAGLE loop's caches); a cache not
-    stored head-major takes the per-value write. Negative control: blocks one slot late differ."""
+@pytest.mark.parametrize("kernel", [True, False], ids=["cpp-copies", "indexed"])
+def test_block_write_puts_the_same_values_in_the_same_slots(kernel, monkeypatch):
+    """BlockWrite against the per-value write, with the C++ row copies and with torch's indexed write:
+    8 ragged rows of 5 tokens (all rows, and 5 of 12 in shuffled order), 1 token, and a row whose block
+    ends in the last slot; in a cache of its own and in the second layer of a stacked one (a storage
+    offset, as the EAGLE loop's caches); a cache not stored head-major takes the per-value write.
+    Negative control: blocks one slot late differ."""
+    monkeypatch.setattr(discrete_ar, "BLOCK_WRITE_KERNEL", kernel)
+    served = _count_cpp_block_writes(monkeypatch) if kernel else None
     g = torch.Generator().manual_seed(7)
     for n, rows in ((5, None), (5, torch.tensor([9, 2, 4, 11, 0])), (1, None)):
         r = 8 if rows is None else rows.shape[0]
@@ -193,18 +197,47 @@ def test_block_write_puts_the_same_values_in_the_same_slots():
         stacked = kv_slots(2, 12, **shape)
         for by_blocks in (kv_slots(12, **shape), stacked[1]):
             by_values = by_blocks.clone()
-            BlockWrite(write_rows, positions, 3).write(by_blocks, x)
+            BlockWrite(write_rows, positions).write(by_blocks, x)
             by_values[write_rows[:, None], positions] = x
             assert torch.equal(by_blocks, by_values)
         assert not stacked[0].any()  # the other layer untouched
         late = kv_slots(12, **shape)
-        BlockWrite(write_rows, positions + (positions[:, :1] < 16 - n).long(), 3).write(late, x)  # one slot on
+        BlockWrite(write_rows, positions + (positions[:, :1] < 16 - n).long()).write(late, x)  # one slot on
         assert not torch.equal(late, by_values)
         row_major = torch.zeros(12, 16, 3, 4)  # [rows, slots, H, hd] stored as indexed: the per-value write
-        BlockWrite(write_rows, positions, 3).write(row_major, x)
+        BlockWrite(write_rows, positions).write(row_major, x)
         expected = torch.zeros(12, 16, 3, 4)
         expected[write_rows[:, None], positions] = x
         assert torch.equal(row_major, expected)
+    if kernel:
+        assert served == [True] * 9  # the head-major writes, the late one included; not the row-major one
+
+
+def _count_cpp_block_writes(monkeypatch) -> list[bool]:
+    """The results of the extension's write_blocks calls from now on (skips where it is not built)."""
+    extension = cpu_kernels.extension()
+    if extension is None:
+        pytest.skip("specray's CPU kernels did not build here (see the log)")
+    results: list[bool] = []
+    original = extension.write_blocks
+
+    def counted(*args):
+        results.append(original(*args))
+        return results[-1]
+
+    monkeypatch.setattr(extension, "write_blocks", counted)
+    return results
+
+
+def test_block_write_out_of_range_is_refused_not_written(monkeypatch):
+    """A block past the cache's last slot: the C++ copies decline it and torch's indexed write refuses it,
+    as without the extension."""
+    served = _count_cpp_block_writes(monkeypatch)
+    cache = kv_slots(4, max_len=16, n_head=2, head_dim=4, like=torch.zeros(()))
+    positions = torch.tensor([[3, 4], [15, 16], [0, 1], [7, 8]])
+    with pytest.raises(IndexError):
+        BlockWrite(torch.arange(4), positions).write(cache, torch.ones(4, 2, 2, 4))
+    assert served == [False]
 
 
 def test_gathered_rows_keep_the_values_and_the_head_major_layout():

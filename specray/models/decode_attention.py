@@ -10,21 +10,21 @@ every output has the same bits; alone on a call it is 2-3x faster.
 Those orders belong to the BLAS build, the CPU and the thread count (measured here: MKL 2024.2, AVX2,
 one thread). So the kernel serves a query count only after it has matched torch's kernel value for
 value on every span it serves (:data:`SPANS`, :func:`_matches_torch`), in this process at this thread
-count; on any difference, or when it cannot be compiled (it is built with torch's C++ extension tools
-on first use, about 40 s, then cached), calls stay with torch's kernel, which gives the same values
-anyway. Set ``SPECRAY_DECODE_KERNEL=0`` to skip it. The choice never changes a sample, only the time.
+count; on any difference, or when it cannot be compiled (:mod:`~specray.models.cpu_kernels` builds it),
+calls stay with torch's kernel, which gives the same values anyway. Set ``SPECRAY_DECODE_KERNEL=0`` to
+skip it. The choice never changes a sample, only the time.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import threading
-from pathlib import Path
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
+
+from specray.models import cpu_kernels
 
 log = logging.getLogger(__name__)
 
@@ -35,8 +35,7 @@ QUERIES = (1, 4, 5, 6, 7, 8, 9)
 # The spans served: whole 16-slot vectors up to 192, where the attention spans of the discrete models
 # keep one summation order (discrete_ar.ATTENTION_SPAN_SHORT); longer calls stay with torch's kernel.
 SPANS = tuple(range(16, 193, 16))
-SOURCE = Path(__file__).with_name("csrc") / "decode_attention.cpp"
-ENABLED = os.environ.get("SPECRAY_DECODE_KERNEL", "1") != "0"
+ENABLED = cpu_kernels.ENABLED
 # torch's kernel as imported, for the check: the reference stays torch's whatever later wraps F's function.
 _TORCH_ATTENTION = F.scaled_dot_product_attention
 
@@ -45,32 +44,25 @@ _built: dict[str, Callable | None] = {}
 _checked: dict[tuple[int, int], bool] = {}  # (threads, queries): the kernel gave torch's values
 
 
-def _build() -> Callable | None:
-    """The compiled extension's function, or None (no AVX2, no compiler): logged once."""
-    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
-        log.info("decode attention: CPU capability %s; using torch's kernel", torch.backends.cpu.get_cpu_capability())
-        return None
-    try:
-        from torch.utils.cpp_extension import load
-
-        module = load(name="specray_decode_attention", sources=[str(SOURCE)], verbose=False,
-                      extra_cflags=["-O2", "-mavx2", "-mfma", "-ffp-contract=off", "-DCPU_CAPABILITY_AVX2",
-                                    "-DCPU_CAPABILITY=AVX2"])
-    except Exception as exc:  # no compiler, no ninja, headers missing: torch's kernel does the same work
-        log.warning("decode attention: the CPU kernel did not build (%s); using torch's kernel", exc)
-        return None
-    return module.decode_attention
+def _function() -> Callable | None:
+    """The compiled kernel (:mod:`~specray.models.cpu_kernels`), or None where the extension is not built."""
+    module = cpu_kernels.extension()
+    return None if module is None else module.decode_attention
 
 
 def _cases(queries: int, span: int, generator: torch.Generator) -> tuple[torch.Tensor, ...]:
     """Inputs laid out as a model call has them: q a slice of the rotated q/k block, k and v head-major
-    cache slots cut to ``span``, a 0/-inf mask with the first slot always open; scores spread wide enough
-    that some weights underflow."""
+    cache slots cut to ``span``, a 0/-inf mask with the first slot always open and every other row's slots
+    ending early; scores spread wide enough that some weights underflow."""
     rows, heads, slots = 24, 4, 208
     qk = torch.randn(rows, queries, 2 * heads, HEAD_DIM, generator=generator) * 3
     q = qk[:, :, :heads].transpose(1, 2)
     k, v = (torch.randn(rows, heads, slots, HEAD_DIM, generator=generator)[:, :, :span] for _ in range(2))
     keep = torch.rand(rows, 1, queries, span, generator=generator) < 0.8
+    # Every other row's slots end early, anywhere, as a ragged batch's rows do (all its queries masked past it).
+    ends = torch.randint(1, span + 1, (rows, 1, 1, 1), generator=generator)
+    ends[1::2] = span
+    keep &= torch.arange(span) < ends
     keep[..., 0] = True
     mask = torch.where(keep, 0.0, float("-inf"))
     return q, k, v, mask
@@ -99,7 +91,7 @@ def kernel(queries: int = 1) -> Callable | None:
     if key not in _checked:
         with _lock:
             if "kernel" not in _built:
-                _built["kernel"] = _build() if ENABLED else None
+                _built["kernel"] = _function() if ENABLED else None
             if key not in _checked:
                 built = _built["kernel"]
                 with torch.inference_mode(False):

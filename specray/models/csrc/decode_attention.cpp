@@ -14,7 +14,8 @@
 // counts sum otherwise (2 and 3 queries do, too), which is why specray/models/decode_attention.py compares
 // this kernel with torch's for every query count and span it serves, at the process's thread count,
 // before using it. Built with -ffp-contract=off: only the fused multiply-adds written here may fuse.
-#include <torch/extension.h>
+#include "kernels.h"
+
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
@@ -234,8 +235,4 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
     }
   });
   return out;
-}
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("decode_attention", &decode_attention, "one-query attention over a CPU KV cache (head size 16)");
 }

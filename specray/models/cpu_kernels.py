@@ -1,0 +1,55 @@
+"""specray's C++ kernels for the discrete models' decode steps and verify calls on a CPU (``csrc/``): the
+attention of :mod:`~specray.models.decode_attention` and the K/V writes of
+:class:`~specray.models.discrete_ar.BlockWrite`, one extension.
+
+It is built on first use with torch's C++ extension tools (g++ and ninja; about a minute, then cached
+under ``~/.cache/torch_extensions``). Where it cannot be built (no AVX2, no compiler), or with
+``SPECRAY_DECODE_KERNEL=0``, :func:`extension` is None and torch's own operations do the same work: the
+kernels never change a value, only the time.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+log = logging.getLogger(__name__)
+
+CSRC = Path(__file__).with_name("csrc")
+SOURCES = tuple(CSRC / name for name in ("bindings.cpp", "decode_attention.cpp", "cache_write.cpp"))
+# -ffp-contract=off: only the fused multiply-adds the attention kernel writes out may fuse (its sums must
+# follow the BLAS's order); the AVX2 defines select ATen's 8-lane vector code, whose exp it reproduces.
+CFLAGS = ["-O2", "-mavx2", "-mfma", "-ffp-contract=off", "-DCPU_CAPABILITY_AVX2", "-DCPU_CAPABILITY=AVX2"]
+ENABLED = os.environ.get("SPECRAY_DECODE_KERNEL", "1") != "0"
+
+_lock = threading.Lock()
+_built: dict[str, ModuleType | None] = {}
+
+
+def extension() -> ModuleType | None:
+    """The compiled extension (built once per process), or None: off, no AVX2, or the build failed (logged once)."""
+    if "module" not in _built:
+        with _lock:
+            if "module" not in _built:
+                _built["module"] = _build() if ENABLED else None
+    return _built["module"]
+
+
+def _build() -> ModuleType | None:
+    capability = torch.backends.cpu.get_cpu_capability()
+    if capability not in ("AVX2", "AVX512"):
+        log.info("specray CPU kernels: CPU capability %s; using torch's operations", capability)
+        return None
+    try:
+        from torch.utils.cpp_extension import load
+
+        return load(name="specray_cpu_kernels", sources=[str(s) for s in SOURCES], extra_cflags=CFLAGS,
+                    verbose=False)
+    except Exception as exc:  # no compiler, no ninja, headers missing: torch's operations do the same work
+        log.warning("specray CPU kernels: the extension did not build (%s); using torch's operations", exc)
+        return None
