@@ -434,6 +434,8 @@ def test_resume_refuses_an_incompatible_spec(fake_family, tmp_path):
     cases = {
         "seed": fake_job(out, seed=1),
         "shard layout": fake_job(out, shard_batches=3),
+        # Another CPU thread count rounds otherwise: its samples must not mix with these.
+        "intra_op_threads was 1, now 2": fake_job(out, num_cpus_per_actor=2),
         "arm 'fake_sd' changed": fake_job(out, arms=[fake_job(out)["arms"][0],
                                                      {**fake_job(out)["arms"][1], "params": {"gamma": 2}}]),
         "arm 'fake_sd' is no longer": fake_job(out, arms=fake_job(out)["arms"][:1]),
@@ -447,6 +449,16 @@ def test_resume_refuses_an_incompatible_spec(fake_family, tmp_path):
     bigger = load_job(fake_job(out, arms=fake_job(out)["arms"] + [
         {"name": "sd2", "family": FAKE_FAMILY, "method": "fake_sd", "target": "fake-target", "draft": "fake-draft"}]))
     check_resume(bigger, ShardPlan.of(bigger), store)
+    # Another fraction of one CPU is still one thread: the same samples, so it may resume.
+    half = load_job(fake_job(out, num_cpus_per_actor=0.5))
+    assert half.sample_determining() == spec.sample_determining()
+    check_resume(half, ShardPlan.of(half), store)
+    # A run written by compiled kernels (the fake family has none: its record says so) resumed eagerly.
+    compiled = job_record(spec, ShardPlan.of(spec))
+    compiled["sample_determining"]["compile"] = True
+    store.write_json("_job.json", compiled)
+    with pytest.raises(SpecError, match="compile was True, now False"):
+        check_resume(spec, ShardPlan.of(spec), store)
 
 
 def _flaky_job(out: Path, markers: Path, mode: str, times: int, **fields) -> dict:

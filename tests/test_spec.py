@@ -145,7 +145,8 @@ def test_overrides_are_validated_too(tmp_path):
 
 def test_fingerprint_tracks_what_determines_samples(tmp_path):
     base = load_job(fake_job(tmp_path / "a"))
-    same = [fake_job(tmp_path / "b"), fake_job(tmp_path / "a", actors=1, shard_batches=3, max_shard_retries=9)]
+    same = [fake_job(tmp_path / "b"), fake_job(tmp_path / "a", actors=1, shard_batches=3, max_shard_retries=9),
+            fake_job(tmp_path / "a", num_cpus_per_actor=1.5)]  # still one thread
     for job in same:
         assert load_job(job).fingerprint() == base.fingerprint()
     changed = [
@@ -154,6 +155,7 @@ def test_fingerprint_tracks_what_determines_samples(tmp_path):
         _with(fake_job(tmp_path / "a"), "arms[1].params.gamma", 2),
         _with(fake_job(tmp_path / "a"), "conditions.per_class", 5),
         _with(fake_job(tmp_path / "a"), "arms[1].name", "renamed"),
+        fake_job(tmp_path / "a", num_cpus_per_actor=2),  # two threads on a CPU: other sums
     ]
     for job in changed:
         assert load_job(job).fingerprint() != base.fingerprint()

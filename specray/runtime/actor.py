@@ -101,7 +101,7 @@ class ShardWorker:
         self.device = assigned_device()
         if self.device.type == "cpu":
             # One intra-op thread per CPU Ray gave us: actors on one node must not oversubscribe it.
-            torch.set_num_threads(max(1, int(spec.num_cpus_per_actor)))
+            torch.set_num_threads(spec.intra_op_threads)
         self._pairs: dict[tuple[str, str, str | None], ModelPair] = {}
         self._methods: dict[str, tuple[Method, MethodParams]] = {}  # arm name -> entry and typed params
         self._prompt_cache = None  # a prompt job's text encoder with its per-prompt cache, loaded once

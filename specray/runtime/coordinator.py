@@ -41,6 +41,10 @@ log = logging.getLogger("specray.runtime")
 MANIFEST_FORMAT = 1
 FIRST_WAIT_NOTICE_S = 5.0  # say that the job waits for nodes this soon after it starts waiting
 STARVED_WARNING_S = 30.0  # then repeat it this often while nothing runs
+# The job-wide entries of JobSpec.sample_determining a resumed run must keep (arms are compared one by one),
+# each with its value when a record leaves it out (set only when not the default).
+RESUME_KEYS = {"job_id": None, "seed": None, "conditions": None, "batch_size": None, "compile": False,
+               "intra_op_threads": 1}
 
 
 class ShardFailedError(RuntimeError):
@@ -104,9 +108,10 @@ def check_resume(spec: JobSpec, plan: ShardPlan, store: RunStore) -> dict[str, A
     if previous.get("format") != MANIFEST_FORMAT:
         raise SpecError("output", f"{where} (record format {previous.get('format')}); choose another output")
     old, new = previous["sample_determining"], spec.sample_determining()
-    for key in ("job_id", "seed", "conditions", "batch_size"):
-        if old.get(key) != new.get(key):
-            raise SpecError("output", f"{where}: {key} was {old.get(key)!r}, now {new.get(key)!r}; resuming would "
+    for key, absent in RESUME_KEYS.items():
+        was, now = old.get(key, absent), new.get(key, absent)
+        if was != now:
+            raise SpecError("output", f"{where}: {key} was {was!r}, now {now!r}; resuming would "
                                       "mix incompatible samples. Choose another output or delete it")
     if previous["layout"] != plan.layout():
         raise SpecError("output", f"{where}: shard layout was {previous['layout']}, now {plan.layout()}; "
