@@ -317,6 +317,8 @@ class BlockWrite:
     def __init__(self, rows: torch.Tensor, positions: torch.Tensor) -> None:
         self.rows, self.positions = rows, positions
         self.first_slots = positions[:, 0].contiguous()  # [r]: each row's first slot
+        self._blocks: torch.Tensor | None = None  # the indexed write's (row, head) blocks and their first slots
+        self._starts: torch.Tensor | None = None
 
     def write(self, cache: torch.Tensor, x: torch.Tensor) -> None:
         """``cache[rows, positions] = x`` for ``x [r, n, H, hd]``."""
@@ -329,11 +331,12 @@ class BlockWrite:
             return  # served: float32, indices in range
         r, n, heads, d = x.shape
         slots = storage.shape[2]
-        blocks = (self.rows[:, None] * heads + torch.arange(heads, device=x.device)).reshape(-1)  # (row, head)
-        starts = self.first_slots[:, None].expand(-1, heads).reshape(-1)  # each block's first slot
+        if self._blocks is None or self._blocks.numel() != r * heads:  # once per model call: every layer's K and V
+            self._blocks = (self.rows[:, None] * heads + torch.arange(heads, device=x.device)).reshape(-1)
+            self._starts = self.first_slots[:, None].expand(-1, heads).reshape(-1)  # each block's first slot
         # Block (row, head, p) = slots p .. p + n - 1 of that row and head: overlapping windows of one view.
         windows = storage.as_strided((storage.shape[0] * heads, slots - n + 1, n * d), (slots * d, d, 1))
-        windows[blocks, starts] = x.transpose(1, 2).reshape(r * heads, n * d).to(cache.dtype)
+        windows[self._blocks, self._starts] = x.transpose(1, 2).reshape(r * heads, n * d).to(cache.dtype)
 
 
 def gather_rows(cache: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:

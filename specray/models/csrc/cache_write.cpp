@@ -5,11 +5,12 @@
 
 #include <cstring>
 
-// storage [R, H, S, d] contiguous float32; x [r, n, H, d] float32 with d contiguous; rows, starts [r] int64:
+// On the CPU: storage [R, H, S, d] contiguous float32; x [r, n, H, d] float32 with d contiguous; rows, starts [r] int64:
 // storage[rows[i], h, starts[i] + t] = x[i, t, h] for every i, t, h. Returns false, writing nothing, on any
 // other layout or an index out of range (the caller's indexed write then runs, and refuses the latter).
 bool write_blocks(at::Tensor& storage, const at::Tensor& x, const at::Tensor& rows, const at::Tensor& starts) {
-  if (storage.scalar_type() != at::kFloat || x.scalar_type() != at::kFloat || rows.scalar_type() != at::kLong ||
+  if (!storage.device().is_cpu() || !x.device().is_cpu() || !rows.device().is_cpu() || !starts.device().is_cpu() ||
+      storage.scalar_type() != at::kFloat || x.scalar_type() != at::kFloat || rows.scalar_type() != at::kLong ||
       starts.scalar_type() != at::kLong || storage.dim() != 4 || x.dim() != 4 || !storage.is_contiguous() ||
       rows.dim() != 1 || starts.dim() != 1 || !rows.is_contiguous() || !starts.is_contiguous()) {
     return false;
