@@ -2,7 +2,7 @@
 attention of :mod:`~specray.models.decode_attention` and the K/V writes of
 :class:`~specray.models.discrete_ar.BlockWrite`, one extension.
 
-It is built on first use with torch's C++ extension tools (g++ and ninja; about a minute, then cached
+It is built on first use with torch's C++ extension tools (g++ and ninja; about 1.5 min on 2 cores, then cached
 under ``~/.cache/torch_extensions``). Where it cannot be built (no AVX2, no compiler), or with
 ``SPECRAY_DECODE_KERNEL=0``, :func:`extension` is None and torch's own operations do the same work: the
 kernels never change a value, only the time.
@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from pathlib import Path
 from types import ModuleType
 
@@ -20,12 +21,14 @@ import torch
 
 log = logging.getLogger(__name__)
 
+NAME = "specray_cpu_kernels"
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = tuple(CSRC / name for name in ("bindings.cpp", "decode_attention.cpp", "cache_write.cpp"))
 # -ffp-contract=off: only the fused multiply-adds the attention kernel writes out may fuse (its sums must
 # follow the BLAS's order); the AVX2 defines select ATen's 8-lane vector code, whose exp it reproduces.
 CFLAGS = ["-O2", "-mavx2", "-mfma", "-ffp-contract=off", "-DCPU_CAPABILITY_AVX2", "-DCPU_CAPABILITY=AVX2"]
 ENABLED = os.environ.get("SPECRAY_DECODE_KERNEL", "1") != "0"
+BUILD_NOTICE_S = 5.0  # a load taking longer compiled the extension (a cached one loads in well under a second)
 
 _lock = threading.Lock()
 _built: dict[str, ModuleType | None] = {}
@@ -45,11 +48,17 @@ def _build() -> ModuleType | None:
     if capability not in ("AVX2", "AVX512"):
         log.info("specray CPU kernels: CPU capability %s; using torch's operations", capability)
         return None
+    began = time.perf_counter()
     try:
         from torch.utils.cpp_extension import load
 
-        return load(name="specray_cpu_kernels", sources=[str(s) for s in SOURCES], extra_cflags=CFLAGS,
-                    verbose=False)
+        # Said before the wait: a first use (or changed sources) compiles, silently, for a minute or more.
+        log.info("specray CPU kernels: loading (the first use on a machine compiles them: about 1.5 min on 2 cores)")
+        module = load(name=NAME, sources=[str(s) for s in SOURCES], extra_cflags=CFLAGS, verbose=False)
     except Exception as exc:  # no compiler, no ninja, headers missing: torch's operations do the same work
         log.warning("specray CPU kernels: the extension did not build (%s); using torch's operations", exc)
         return None
+    took = time.perf_counter() - began
+    if took > BUILD_NOTICE_S:  # it was compiled (changed sources, too): say where the wait went
+        log.info("specray CPU kernels: compiled in %.0f s, cached for later runs", took)
+    return module
