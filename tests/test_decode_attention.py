@@ -139,3 +139,13 @@ def test_the_loops_give_the_same_samples_with_and_without_the_kernels(kernel, on
     assert not copied
     assert torch.equal(with_kernels[0], without[0])
     assert [vars(s) for s in with_kernels[1]] == [vars(s) for s in without[1]]
+
+
+def test_each_environment_builds_in_its_own_folder(monkeypatch, tmp_path):
+    """Under TORCH_EXTENSIONS_DIR when set; named by this environment's torch, so that another environment
+    (a CI virtualenv, a Ray runtime environment) does not rebuild the same folder in turn."""
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    folder = cpu_kernels._build_directory()
+    assert folder.parent == tmp_path and folder.is_dir()
+    assert folder.name.startswith(f"{cpu_kernels.NAME}-") and len(folder.name) == len(cpu_kernels.NAME) + 13
+    assert cpu_kernels._build_directory() == folder  # the same environment: the same folder

@@ -3,13 +3,14 @@ attention of :mod:`~specray.models.decode_attention` and the K/V writes of
 :class:`~specray.models.discrete_ar.BlockWrite`, one extension.
 
 It is built on first use with torch's C++ extension tools (g++ and ninja; about 1.5 min on 2 cores, then cached
-under ``~/.cache/torch_extensions``). Where it cannot be built (no AVX2, no compiler), or with
+under ``~/.cache/torch_extensions``, one folder per Python environment). Where it cannot be built (no AVX2, no compiler), or with
 ``SPECRAY_DECODE_KERNEL=0``, :func:`extension` is None and torch's own operations do the same work: the
 kernels never change a value, only the time.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import threading
@@ -43,6 +44,20 @@ def extension() -> ModuleType | None:
     return _built["module"]
 
 
+def _build_directory() -> Path:
+    """This environment's own build folder under torch's extensions root. torch's default folder is shared
+    by every environment with the same Python and CUDA versions; their torch include paths differ, so two
+    of them (a Ray job's runtime environment and the user's, a CI virtualenv and a developer's) would
+    each rebuild it in turn."""
+    from torch.utils.cpp_extension import get_default_build_root
+
+    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root())
+    environment = hashlib.sha256(str(Path(torch.__file__).resolve().parent).encode()).hexdigest()[:12]
+    folder = root / f"{NAME}-{environment}"
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
+
+
 def _build() -> ModuleType | None:
     capability = torch.backends.cpu.get_cpu_capability()
     if capability not in ("AVX2", "AVX512"):
@@ -53,8 +68,10 @@ def _build() -> ModuleType | None:
         from torch.utils.cpp_extension import load
 
         # Said before the wait: a first use (or changed sources) compiles, silently, for a minute or more.
-        log.info("specray CPU kernels: loading (the first use on a machine compiles them: about 1.5 min on 2 cores)")
-        module = load(name=NAME, sources=[str(s) for s in SOURCES], extra_cflags=CFLAGS, verbose=False)
+        log.info("specray CPU kernels: loading (a first use in an environment compiles them: about 1.5 min "
+                 "on 2 cores)")
+        module = load(name=NAME, sources=[str(s) for s in SOURCES], extra_cflags=CFLAGS, verbose=False,
+                      build_directory=str(_build_directory()))
     except Exception as exc:  # no compiler, no ninja, headers missing: torch's operations do the same work
         log.warning("specray CPU kernels: the extension did not build (%s); using torch's operations", exc)
         return None
