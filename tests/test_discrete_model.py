@@ -139,7 +139,7 @@ def test_rotary_factors_are_complex_only_in_cpu_float32_inference():
     assert isinstance(model.float()._rotary(positions), tuple)  # autograd on: the real pair
 
 
-def per_value_write_index(positions: torch.Tensor, rows: torch.Tensor | None, n_head: int | None = None):
+def per_value_write_index(positions: torch.Tensor, rows: torch.Tensor | None, head_major: bool = False):
     """cache_write_index without its slice and block shortcuts."""
     return (torch.arange(positions.shape[0]) if rows is None else rows)[:, None], positions
 
@@ -256,13 +256,13 @@ def test_block_writes_are_chosen_for_large_calls_of_consecutive_positions(monkey
     gives the logits and caches of the per-value write."""
     rows = BLOCK_WRITE_MIN_TOKENS // 4
     ragged = torch.randint(1, 20, (rows, 1), generator=torch.Generator().manual_seed(2)) + torch.arange(4)
-    assert isinstance(cache_write_index(ragged, None, 2)[0], BlockWrite)
-    assert isinstance(cache_write_index(ragged, None)[0], torch.Tensor)  # no head count: per value
-    assert isinstance(cache_write_index(ragged[:-1], None, 2)[0], torch.Tensor)  # below the size
+    assert isinstance(cache_write_index(ragged, None, head_major=True)[0], BlockWrite)
+    assert isinstance(cache_write_index(ragged, None)[0], torch.Tensor)  # not head-major: per value
+    assert isinstance(cache_write_index(ragged[:-1], None, head_major=True)[0], torch.Tensor)  # below the size
     for row in ([30, 31, 31, 31], [0, 2, 4, 6], [-1, 0, 1, 2]):  # repeated, gapped, negative
         odd = ragged.clone()
         odd[3] = torch.tensor(row)
-        assert isinstance(cache_write_index(odd, None, 2)[0], torch.Tensor)
+        assert isinstance(cache_write_index(odd, None, head_major=True)[0], torch.Tensor)
 
     model = tiny_model()
     labels, tokens = random_tokens(rows, seed=6)
@@ -446,7 +446,7 @@ def test_parked_rows_take_consecutive_slots_inside_the_cache(monkeypatch):
 
     clamped = (lengths[:, None] + torch.arange(n)).clamp(max=max_len - 1)
     clamped[idx] = positions
-    assert isinstance(cache_write_index(torch.cat([clamped, clamped]), None, 2)[0], torch.Tensor)
+    assert isinstance(cache_write_index(torch.cat([clamped, clamped]), None, head_major=True)[0], torch.Tensor)
 
 
 def test_verify_forward_equals_incremental_sampler_distributions():

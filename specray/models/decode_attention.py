@@ -40,12 +40,12 @@ ENABLED = cpu_kernels.ENABLED
 _TORCH_ATTENTION = F.scaled_dot_product_attention
 
 _lock = threading.Lock()
-_built: dict[str, Callable | None] = {}
 _checked: dict[tuple[int, int], bool] = {}  # (threads, queries): the kernel gave torch's values
 
 
 def _function() -> Callable | None:
-    """The compiled kernel (:mod:`~specray.models.cpu_kernels`), or None where the extension is not built."""
+    """The compiled kernel (:mod:`~specray.models.cpu_kernels`, built once per process), or None where the
+    extension is off or not built."""
     module = cpu_kernels.extension()
     return None if module is None else module.decode_attention
 
@@ -90,13 +90,11 @@ def kernel(queries: int = 1) -> Callable | None:
     key = (torch.get_num_threads(), queries)
     if key not in _checked:
         with _lock:
-            if "kernel" not in _built:
-                _built["kernel"] = _function() if ENABLED else None
             if key not in _checked:
-                built = _built["kernel"]
+                built = _function()
                 with torch.inference_mode(False):
                     _checked[key] = built is not None and queries in QUERIES and _matches_torch(built, queries)
-    return _built["kernel"] if _checked[key] else None
+    return _function() if _checked[key] else None
 
 
 def prepare() -> None:

@@ -273,7 +273,7 @@ def cpu_attention_slots(needed: int) -> int:
 
 
 def cache_write_index(positions: torch.Tensor, rows: torch.Tensor | None,
-                      n_head: int | None = None) -> tuple[torch.Tensor | slice | BlockWrite, torch.Tensor | slice]:
+                      head_major: bool = False) -> tuple[torch.Tensor | slice | BlockWrite, torch.Tensor | slice]:
     """Where a call writes its K/V: ``[rows, positions]`` as index tensors (rows default to all).
 
     On a CPU (not while torch.compile captures a step), with the same values written:
@@ -281,8 +281,8 @@ def cache_write_index(positions: torch.Tensor, rows: torch.Tensor | None,
     - every cache row written at the same slots (target_only's steps, the first rounds): the two
       slices ``[:, p:p + n]``, a strided copy, about 2.5x cheaper than the indexed write (~1.5 ms of
       a 25 ms call at 256 rows);
-    - else, from :data:`BLOCK_WRITE_MIN_TOKENS` tokens on and with ``n_head`` given, when every row's
-      positions are consecutive: a :class:`BlockWrite`.
+    - else, from :data:`BLOCK_WRITE_MIN_TOKENS` tokens on into a ``head_major`` cache (:func:`kv_slots`),
+      when every row's positions are consecutive: a :class:`BlockWrite`.
 
     The checks read the positions on the host, a sync that is free on a CPU.
     """
@@ -294,7 +294,7 @@ def cache_write_index(positions: torch.Tensor, rows: torch.Tensor | None,
         if start == int(hi):  # a row's positions are consecutive: equal starts, equal slots
             return slice(None), slice(start, start + n)
     write_rows = torch.arange(r, device=positions.device) if rows is None else rows
-    if on_cpu and n_head is not None and r * n >= BLOCK_WRITE_MIN_TOKENS and _consecutive(positions):
+    if on_cpu and head_major and r * n >= BLOCK_WRITE_MIN_TOKENS and _consecutive(positions):
         return BlockWrite(write_rows, positions), positions
     return write_rows[:, None], positions
 
@@ -735,7 +735,7 @@ class DiscreteGPT(nn.Module):
         else:
             mask = additive_mask(mask, h.dtype)
             attend = decode_attention.attention_for(h, self.config.head_dim, h.shape[1], span)
-        write_rows, write_slots = cache_write_index(positions, rows, self.config.n_head)
+        write_rows, write_slots = cache_write_index(positions, rows, head_major=True)
         for i, layer in enumerate(self.layers):
             h = layer.forward(h, rope, mask, (keys[i], values[i], rows, write_rows, write_slots), attend)
         if rows is None:
