@@ -82,6 +82,28 @@ def test_sample_is_independent_of_its_batch_companions(pair, method):
 
 
 @pytest.mark.parametrize("method", list(METHODS))
+def test_growing_caches_give_the_static_caches_samples(pair, monkeypatch, method):
+    """Every method, 20 samples (rows finish at different rounds, so calls park rows), seed 4: the same
+    tokens and statistics with caches that grow with their calls (discrete_ar.GROWING_CACHES) as with
+    caches holding every slot from the start; the caches did grow."""
+    from specray.models import discrete_ar
+
+    params = resolve_params(method, {})
+    labels, sample_ids = torch.arange(20) % 10, torch.arange(20) + 300
+    grown = []
+    real = discrete_ar._grown
+    monkeypatch.setattr(discrete_ar, "_grown", lambda old, slots: grown.append(slots) or real(old, slots))
+    growing = generate_tokens(method, params, pair, labels, sample_ids, seed=4)
+    assert {32, 48, 64} <= set(grown)
+    monkeypatch.setattr(discrete_ar, "GROWING_CACHES", False)
+    grown.clear()
+    static = generate_tokens(method, params, pair, labels, sample_ids, seed=4)
+    assert not grown
+    assert torch.equal(growing[0], static[0])
+    assert growing[1] == static[1]
+
+
+@pytest.mark.parametrize("method", list(METHODS))
 def test_statistics_are_consistent(pair, method):
     result = run_batch(method, {}, pair, torch.arange(6), torch.arange(6), seed=1)
     assert result.images.shape == (6, 8, 8) and result.images.dtype == torch.uint8

@@ -278,6 +278,63 @@ def test_block_writes_are_chosen_for_large_calls_of_consecutive_positions(monkey
     assert_same_as_per_value_writes(run, monkeypatch)
 
 
+def test_a_growing_cache_gives_the_static_caches_results(monkeypatch):
+    """A CPU cache that grows with its calls (KVCache.reserve) against one holding every slot from the start:
+    the same logits at every call (level steps across the 16-slot boundaries, a ragged verify with a row
+    parked at the cache's last slots, a tree call) and the same K/V in the held slots. It holds 16, 32,
+    48 slots as the steps reach them, then all 80, and refuses a position past max_len as the static cache
+    does. Negative control: a growth that does not copy the held slots gives other logits."""
+    model = tiny_model()
+    labels, tokens = random_tokens(4, seed=5)
+
+    def fed(positions: torch.Tensor) -> torch.Tensor:  # image token p - 1 at position p (padding past the image)
+        return tokens.gather(1, (positions - 1).clamp(0, 63))
+
+    def calls(cache) -> tuple[list[torch.Tensor], list[int]]:
+        out, held = [model.forward_step(labels[:, None], torch.zeros(4, 1, dtype=torch.int64), cache)], []
+        held.append(cache.keys[0].shape[1])
+        for t in range(1, 40):
+            positions = torch.full((4, 1), t)
+            out.append(model.forward_step(fed(positions), positions, cache, prefix=False))
+            held.append(cache.keys[0].shape[1])
+        cache.crop(torch.tensor([38, 30, 39, 20]))
+        ragged = torch.tensor([[38], [30], [39], [20]]) + torch.arange(5)
+        ragged[3] = torch.arange(cache.max_len - 5, cache.max_len)  # parked at the last slots
+        out.append(model.forward_step(fed(ragged), ragged, cache, prefix=False))
+        held.append(cache.keys[0].shape[1])
+        slots = torch.tensor([[40], [41], [42], [43]]) + torch.arange(3)
+        visible = torch.arange(48)[None, None, :] <= slots[:, :, None]
+        out.append(model.forward_tree(fed(slots), slots, slots, visible, cache))
+        return out, held
+
+    def caches(growing: bool):
+        monkeypatch.setattr(discrete_ar, "GROWING_CACHES", growing)
+        return model.new_cache(4, 70)
+
+    with torch.no_grad():
+        growing, static = caches(True), caches(False)
+        assert (growing.slots, growing.max_len, growing.keys[0].shape[1]) == (80, 80, 16)
+        assert (static.slots, static.max_len, static.keys[0].shape[1]) == (None, 80, 80)
+        grown_out, held = calls(growing)
+        static_out, _ = calls(static)
+        assert held == [16] * 16 + [32] * 16 + [48] * 8 + [80]
+        for a, b in zip(grown_out, static_out):
+            assert torch.equal(a, b)
+        for a, b in zip(growing.keys + growing.values, static.keys + static.values):
+            assert a.shape == b.shape and torch.equal(a, b)
+        for cache in (caches(True), static):
+            with pytest.raises(ValueError, match="position 80 exceeds cache max_len=80"):
+                model.forward_step(fed(torch.full((4, 1), 80)), torch.full((4, 1), 80), cache, prefix=False)
+
+        def forgetful(old: torch.Tensor, slots: int) -> torch.Tensor:
+            rows, _, heads, head_dim = old.shape
+            return kv_slots(rows, max_len=slots, n_head=heads, head_dim=head_dim, like=old)
+
+        monkeypatch.setattr(discrete_ar, "_grown", forgetful)
+        forgot, _ = calls(caches(True))
+        assert torch.equal(forgot[15], static_out[15]) and not torch.equal(forgot[16], static_out[16])
+
+
 def test_additive_masks_give_the_logits_of_bool_masks(monkeypatch):
     """forward_step (ragged rows) and forward_tree with the 0 / -inf masks built once per call give the
     logits of the bool masks handed to every layer's SDPA call. Negative control: masks of zeros differ."""

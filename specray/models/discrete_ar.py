@@ -20,8 +20,9 @@ So the loops keep their layout (position 0 is the condition, position ``p`` pred
 token ``p``) while the model attends over the real slots, with the caption's padded slots
 masked as keys. All prefix slots get the zero RoPE rows, as in the official table.
 
-The cache is static: ``[rows, max_len]`` slots per layer (on a CPU ``max_len`` rounded up,
-:func:`kv_slots`), slot = sequence position. Each row has its own length; a call writes K/V at the
+The cache holds ``[rows, max_len]`` slots per layer (on a CPU ``max_len`` rounded up,
+:func:`kv_slots`), slot = sequence position; an eager CPU cache holds only the first slots its calls
+have needed so far (:meth:`KVCache.reserve`). Each row has its own length; a call writes K/V at the
 rows' own positions and each query attends to slots ``<= its position``, so slots left stale by a
 rejected draft are invisible once a later call rewrites them. On a CPU a call attends
 over the cache's first slots only, rounded up past its last position, or past ``max_seq_len`` where
@@ -68,6 +69,11 @@ ATTENTION_SPANS = True
 BLOCK_WRITE_MIN_TOKENS = 256
 # Whether BlockWrite copies with the C++ extension where it is built (False: torch's indexed write; for A/B).
 BLOCK_WRITE_KERNEL = True
+# Whether an eager CPU cache grows with its calls' spans (KVCache.reserve) instead of holding every slot
+# from the start (False: static, for A/B). A call then reads whole head blocks, one contiguous stretch
+# of memory, where it would read each block's first slots and skip the rest: at fid50k's batch of 128
+# the attention reads caches larger than the CPU's caches, and skipping made those reads up to 2x slower.
+GROWING_CACHES = True
 
 
 @dataclass(frozen=True)
@@ -538,9 +544,22 @@ def _check_slots(what: str, slots: torch.Tensor, max_len: int) -> int | None:
     return last
 
 
+def _grown(old: torch.Tensor, slots: int) -> torch.Tensor:
+    """The K or V slots ``old`` in a cache of ``slots`` slots (:func:`kv_slots`): the held ones copied, the
+    rest zero."""
+    rows, held, heads, head_dim = old.shape
+    new = kv_slots(rows, max_len=slots, n_head=heads, head_dim=head_dim, like=old)
+    new[:, :held] = old.detach()  # a cache is not part of any graph
+    return new
+
+
 @dataclass
 class KVCache:
-    """Static per-layer K/V slots ``[rows, max_len, H, hd]`` and each row's valid length."""
+    """Per-layer K/V slots ``[rows, max_len, H, hd]`` and each row's valid length.
+
+    Static (every slot held from the start), or growing (``slots`` set): the tensors hold the first
+    slots the calls have needed so far, grown by :meth:`reserve` before each call.
+    """
 
     keys: list[torch.Tensor]
     values: list[torch.Tensor]
@@ -548,6 +567,7 @@ class KVCache:
     # Caption models: which prefix slots hold caption tokens ([rows, cls_token_num] bool); the
     # others are hidden from every query but their own.
     prefix_valid: torch.Tensor | None = None
+    slots: int | None = None  # a growing cache's full length (max_len); None: static
 
     @property
     def rows(self) -> int:
@@ -555,7 +575,27 @@ class KVCache:
 
     @property
     def max_len(self) -> int:
-        return int(self.keys[0].shape[1])
+        return self.slots if self.slots is not None else int(self.keys[0].shape[1])
+
+    def reserve(self, written: torch.Tensor, reads: int = 0, what: str = "position") -> None:
+        """Before a call that writes slots ``written`` (refused past :attr:`max_len`, ``what`` names them) and attends
+        over the first ``reads`` slots: grow a growing cache to both, rounded up as
+        :func:`cpu_attention_slots` rounds, which covers the span a :meth:`DiscreteGPT.forward_step` call
+        attends over (:func:`attention_span`); the call then reads every held slot of its rows.
+
+        The held slots are copied and the new ones are zero, as a static cache's are before a write: the
+        call gives the same bits either way (the attention kernel sums in one order over such spans).
+        """
+        if self.slots is None:
+            return
+        last = _check_slots(what, written, self.slots)
+        # A forward_step call's span, cpu_attention_slots(min(last + 1, fed)), is at most this; without spans, all.
+        want = min(self.slots, cpu_attention_slots(max(last + 1, reads))) if ATTENTION_SPANS else self.slots
+        held = int(self.keys[0].shape[1])
+        if want <= held:
+            return
+        for tensors in (self.keys, self.values):
+            tensors[:] = [_grown(old, want) for old in tensors]
 
     def crop(self, lengths: torch.Tensor, rows: torch.Tensor | None = None) -> None:
         """Declare only the first ``lengths`` slots of ``rows`` valid (later slots become stale)."""
@@ -663,11 +703,16 @@ class DiscreteGPT(nn.Module):
         prefix_valid = None
         if self.caption_conditioned:
             prefix_valid = torch.ones(batch_rows, self.config.cls_token_num, dtype=torch.bool, device=p.device)
+        slots = None
+        if GROWING_CACHES and p.device.type == "cpu" and self.compiled_decode is None and not self.caption_conditioned:
+            # A growing cache (KVCache.reserve): the first span's slots now, the rest as calls need them.
+            slots, shape["max_len"] = cpu_attention_slots(max_len), ATTENTION_SPAN_QUANTUM
         cache = KVCache(
             keys=[kv_slots(batch_rows, **shape) for _ in self.layers],
             values=[kv_slots(batch_rows, **shape) for _ in self.layers],
             lengths=torch.zeros(batch_rows, dtype=torch.int64, device=p.device),
             prefix_valid=prefix_valid,
+            slots=slots,
         )
         if self.compiled_decode is not None and p.device.type == "cuda":
             # CUDA graphs write these inputs in place: their addresses are part of the recording.
@@ -701,6 +746,7 @@ class DiscreteGPT(nn.Module):
             raise ValueError(f"positions shape {tuple(positions.shape)} != tokens shape {tuple(tokens.shape)}")
         if self.caption_conditioned:
             return self._caption_step(tokens, positions, cache, rows, prefix)
+        cache.reserve(positions)
         if rows is None and prefix is False and self.compiled_decode is not None:
             # The loops only feed positions inside the cache; the compiled step skips the check's host sync.
             return self.compiled_decode(tokens, positions, cache.keys, cache.values, cache.lengths)
@@ -814,6 +860,7 @@ class DiscreteGPT(nn.Module):
         if rows is None and tokens.shape[0] != cache.rows:
             rows = torch.arange(tokens.shape[0], device=tokens.device)
         _check_slots("slot", slots, cache.max_len)
+        cache.reserve(slots, visible.shape[-1], "slot")
         if prefix:
             h = self._embed(tokens, positions)
         else:
