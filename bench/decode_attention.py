@@ -5,7 +5,8 @@ On a CPU the discrete GPTs' calls of one query (decode steps) and of 4 to 9 (ver
 run the C++ row copies of :class:`specray.models.discrete_ar.BlockWrite`, over caches that grow with their
 calls (:meth:`specray.models.discrete_ar.KVCache.reserve`, ``growing``); ``torch`` is what every call did
 before (``SPECRAY_DECODE_KERNEL=0``, static caches), ``kernels`` turns on those given by ``--kernels``
-(default all three).
+(default all three); ``--both`` names kernels on in both settings, to measure one on top of the others
+(``--kernels growing --both attention,writes``).
 For each batch size and arm (fid50k's: target_only, sd, cool_sd, gamma 4, CFG 1.5, on digits-gpt-target
 with the draft digits-gpt-draft) it prints:
 
@@ -16,7 +17,7 @@ with the draft digits-gpt-draft) it prints:
   are meant to change no bit: 0).
 
     python bench/decode_attention.py [--batches 1,32,128] [--reps 5] [--samples-b1 4]
-                                     [--kernels attention,writes,growing] [--json out.json]
+                                     [--kernels attention,writes,growing] [--both ...] [--json out.json]
 """
 
 from __future__ import annotations
@@ -38,11 +39,11 @@ KERNELS = {"attention": (decode_attention, "ENABLED"), "writes": (discrete_ar, "
            "growing": (discrete_ar, "GROWING_CACHES")}
 
 
-def settings(kernels: list[str]) -> dict[str, Callable[[], None]]:
-    """``torch``: every kernel off; ``kernels``: those named on."""
+def settings(kernels: list[str], both: tuple[str, ...] = ()) -> dict[str, Callable[[], None]]:
+    """``torch``: every kernel off but ``both``; ``kernels``: ``both`` and those named on."""
     def apply(on: bool) -> None:
         for name, (module, switch) in KERNELS.items():
-            setattr(module, switch, on and name in kernels)
+            setattr(module, switch, name in both or (on and name in kernels))
 
     return {"torch": lambda: apply(False), "kernels": lambda: apply(True)}
 
@@ -50,19 +51,24 @@ def settings(kernels: list[str]) -> dict[str, Callable[[], None]]:
 def _kernels_option(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kernels", default=",".join(KERNELS),
                         help=f"the kernels the second setting turns on, comma-separated, of {', '.join(KERNELS)}")
+    parser.add_argument("--both", default="", help="kernels on in both settings, comma-separated (default none)")
 
 
 def main(argv: list[str] | None = None) -> None:
     args = arguments(__doc__, argv, batches="1,32,128", extra=_kernels_option)
-    kernels = args.kernels.split(",")
-    unknown = sorted(set(kernels) - set(KERNELS))
-    if unknown:
-        sys.exit(f"--kernels: unknown {', '.join(unknown)}; choose from {', '.join(KERNELS)}")
+    kernels, both = args.kernels.split(","), tuple(filter(None, args.both.split(",")))
+    for option, names in (("--kernels", kernels), ("--both", both)):
+        unknown = sorted(set(names) - set(KERNELS))
+        if unknown:
+            sys.exit(f"{option}: unknown {', '.join(unknown)}; choose from {', '.join(KERNELS)}")
     torch.set_num_threads(1)
     decode_attention.prepare()  # build and check outside the timed runs
     if decode_attention.kernel(1) is None:
         sys.exit("specray's CPU kernels are not in use here (see the log above)")
-    side_by_side(f"torch's operations vs specray's CPU kernels ({', '.join(kernels)})", settings(kernels), args)
+    title = f"torch's operations vs specray's CPU kernels ({', '.join(kernels)})"
+    if both:
+        title += f", {', '.join(both)} on in both"
+    side_by_side(title, settings(kernels, both), args)
 
 
 if __name__ == "__main__":
