@@ -277,8 +277,10 @@ def test_end_to_end_writes_all_shards_and_manifest(reference_run):
         assert entry["rows"] == pq.ParquetFile(out / entry["path"]).metadata.num_rows
     assert manifest["spec"]["arms"][1]["params"] == {"gamma": 3}
     assert set(manifest["versions"]) >= {"specray", "torch", "ray", "pyarrow"}
-    assert manifest["timings"]["devices"] == ["cpu", "cpu"]
-    assert manifest["timings"]["device_names"] == [device_name("cpu")]  # both actors, one machine
+    # The devices of the actors that came up before the last shard committed: under load the second
+    # actor may still be starting when the first has run all 3 shards (seen in CI).
+    assert manifest["timings"]["devices"] in (["cpu"], ["cpu", "cpu"])
+    assert manifest["timings"]["device_names"] == [device_name("cpu")]  # one machine, named once
 
     keys = images_by_key(out)
     assert sorted(keys) == sorted((arm, sid) for arm in ("target_only", "fake_sd") for sid in range(24))
