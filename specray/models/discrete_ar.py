@@ -248,7 +248,8 @@ class Attention(nn.Module):
         return self.resid_dropout(out) if self.training else out
 
 
-def attention_span(last_slots: torch.Tensor, max_len: int, what: str = "slot", fed: int | None = None) -> int:
+def attention_span(last_slots: torch.Tensor, max_len: int, what: str = "slot", fed: int | None = None,
+                   checked: int | None = None) -> int:
     """How many leading cache slots a call whose queries see no slot past ``last_slots`` attends over
     (refusing, as :func:`_check_slots`, slots past the cache; ``what`` names them in the error).
 
@@ -261,8 +262,14 @@ def attention_span(last_slots: torch.Tensor, max_len: int, what: str = "slot", f
     query past them is padding whose output the caller discards, so on a CPU the span stops there:
     a speculative loop's padded last verify or a parked row would otherwise make every row of the
     call attend over the whole cache (80 slots of the presets' speculative cache against 64).
+
+    ``checked``: the largest of ``last_slots``, already checked by the caller (:meth:`KVCache.reserve`),
+    so that the call reads it on the host once.
     """
-    last = None if torch.compiler.is_compiling() else _check_slots(what, last_slots, max_len)
+    if checked is not None:
+        last: int | None = checked
+    else:
+        last = None if torch.compiler.is_compiling() else _check_slots(what, last_slots, max_len)
     if last is None or not ATTENTION_SPANS:
         return max_len
     needed = last + 1 if fed is None else min(last + 1, fed)
@@ -577,7 +584,7 @@ class KVCache:
     def max_len(self) -> int:
         return self.slots if self.slots is not None else int(self.keys[0].shape[1])
 
-    def reserve(self, written: torch.Tensor, reads: int = 0, what: str = "position") -> None:
+    def reserve(self, written: torch.Tensor, reads: int = 0, what: str = "position") -> int | None:
         """Before a call that writes slots ``written`` (refused past :attr:`max_len`, ``what`` names them) and attends
         over the first ``reads`` slots: grow a growing cache to both, rounded up as
         :func:`cpu_attention_slots` rounds, which covers the span a :meth:`DiscreteGPT.forward_step` call
@@ -585,17 +592,18 @@ class KVCache:
 
         The held slots are copied and the new ones are zero, as a static cache's are before a write: the
         call gives the same bits either way (the attention kernel sums in one order over such spans).
+        Returns the largest slot written, for the call's :func:`attention_span`; None for a static cache,
+        which it leaves alone and does not check.
         """
         if self.slots is None:
-            return
+            return None
         last = _check_slots(what, written, self.slots)
         # A forward_step call's span, cpu_attention_slots(min(last + 1, fed)), is at most this; without spans, all.
         want = min(self.slots, cpu_attention_slots(max(last + 1, reads))) if ATTENTION_SPANS else self.slots
-        held = int(self.keys[0].shape[1])
-        if want <= held:
-            return
-        for tensors in (self.keys, self.values):
-            tensors[:] = [_grown(old, want) for old in tensors]
+        if want > self.keys[0].shape[1]:
+            for tensors in (self.keys, self.values):
+                tensors[:] = [_grown(old, want) for old in tensors]
+        return last
 
     def crop(self, lengths: torch.Tensor, rows: torch.Tensor | None = None) -> None:
         """Declare only the first ``lengths`` slots of ``rows`` valid (later slots become stale)."""
@@ -746,33 +754,34 @@ class DiscreteGPT(nn.Module):
             raise ValueError(f"positions shape {tuple(positions.shape)} != tokens shape {tuple(tokens.shape)}")
         if self.caption_conditioned:
             return self._caption_step(tokens, positions, cache, rows, prefix)
-        cache.reserve(positions)
+        checked = cache.reserve(positions)  # the largest position, read once (None: a static cache's)
         if rows is None and prefix is False and self.compiled_decode is not None:
             # The loops only feed positions inside the cache; the compiled step skips the check's host sync.
             return self.compiled_decode(tokens, positions, cache.keys, cache.values, cache.lengths)
         if rows is None and prefix is False:  # the layers check the positions (attention_span)
-            return self.decode_all_rows(tokens, positions, cache.keys, cache.values, cache.lengths)
+            return self.decode_all_rows(tokens, positions, cache.keys, cache.values, cache.lengths, checked)
         return self._cached_layers(self._embed(tokens, positions) if prefix is not False else self._embed_image(tokens),
-                                   positions, cache.keys, cache.values, cache.lengths, rows)
+                                   positions, cache.keys, cache.values, cache.lengths, rows, checked=checked)
 
     def decode_all_rows(self, tokens: torch.Tensor, positions: torch.Tensor, keys: list[torch.Tensor],
-                        values: list[torch.Tensor], lengths: torch.Tensor) -> torch.Tensor:
+                        values: list[torch.Tensor], lengths: torch.Tensor, checked: int | None = None) -> torch.Tensor:
         """:meth:`forward_step` on every cache row, image tokens only (no position 0): the decode step
         of the loops, written so that ``torch.compile(fullgraph=True)`` captures it whole
         (:mod:`specray.models.compiled`): fixed shapes, K/V written at the rows' positions in the
-        static cache, no host sync."""
+        static cache, no host sync. ``checked``: the largest position, checked (:meth:`KVCache.reserve`)."""
         return self._cached_layers(self._embed_image(tokens), positions, keys, values, lengths, None,
-                                   compiled=torch.compiler.is_compiling())
+                                   compiled=torch.compiler.is_compiling(), checked=checked)
 
     def _embed_image(self, tokens: torch.Tensor) -> torch.Tensor:
         return F.embedding(tokens.clamp(0, self.config.vocab_size - 1), self.tok_embeddings.weight)
 
     def _cached_layers(self, h: torch.Tensor, positions: torch.Tensor, keys: list[torch.Tensor],
                        values: list[torch.Tensor], lengths: torch.Tensor, rows: torch.Tensor | None,
-                       compiled: bool = False) -> torch.Tensor:
-        """The layers over the cache from the embedded inputs ``h [r, n, D]``; logits ``[r, n, V]`` float32."""
+                       compiled: bool = False, checked: int | None = None) -> torch.Tensor:
+        """The layers over the cache from the embedded inputs ``h [r, n, D]``; logits ``[r, n, V]`` float32.
+        ``checked``: the largest position if the caller checked it (:func:`attention_span`)."""
         # Refuses positions past the cache; a query past max_seq_len is padding (attention_span).
-        span = attention_span(positions, keys[0].shape[1], "position", fed=self.max_seq_len)
+        span = attention_span(positions, keys[0].shape[1], "position", fed=self.max_seq_len, checked=checked)
         rope = self._rotary(positions)
         slots = torch.arange(span, device=h.device)
         mask = (slots[None, None, :] <= positions[:, :, None])[:, None]  # [r, 1, n, span]
@@ -859,8 +868,8 @@ class DiscreteGPT(nn.Module):
         """
         if rows is None and tokens.shape[0] != cache.rows:
             rows = torch.arange(tokens.shape[0], device=tokens.device)
-        _check_slots("slot", slots, cache.max_len)
-        cache.reserve(slots, visible.shape[-1], "slot")
+        if cache.reserve(slots, visible.shape[-1], "slot") is None:  # a static cache: reserve checked nothing
+            _check_slots("slot", slots, cache.max_len)
         if prefix:
             h = self._embed(tokens, positions)
         else:
