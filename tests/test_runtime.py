@@ -239,6 +239,31 @@ def test_png_encoding_is_deterministic():
             torch.from_numpy(image)).all()
 
 
+@pytest.mark.parametrize("mode", ["L", "RGB", "P", "1", "I;16", "LA", "RGBA"])
+@pytest.mark.parametrize("fmt", ["PNG", "TIFF"])
+def test_decode_image_gives_every_mode_as_converting_it_does(mode, fmt):
+    """decode_image reads PNGs without probing other formats and grey / RGB images without converting
+    them: the same arrays as converting every image (grey modes to L, the rest to RGB), for PNG and for a
+    format it has to probe (TIFF)."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    from specray.runtime.images import decode_image
+
+    pixels = np.random.default_rng(0).integers(0, 256, (5, 7, 4), dtype=np.uint8)
+    base = Image.fromarray(pixels if "A" in mode else pixels[..., :3])  # RGBA or RGB
+    image = base.convert(mode if mode != "I;16" else "I").convert(mode)
+    buffer = io.BytesIO()
+    image.save(buffer, format=fmt)
+    with Image.open(io.BytesIO(buffer.getvalue())) as opened:
+        want = np.asarray(opened.convert("L") if opened.mode in ("L", "P", "1", "I;16") else opened.convert("RGB"))
+    got = decode_image(buffer.getvalue())
+    assert got.dtype == np.uint8 and got.shape == want.shape and np.array_equal(got, want)
+    assert got.ndim == (2 if mode in ("L", "P", "1", "I;16") else 3)
+
+
 # ---------------------------------------------------------------- end to end (Ray)
 
 
