@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from specray.methods.discrete.loop import generate_tokens
-from specray.models import cpu_kernels, decode_attention, discrete_ar
+from specray.models import cpu_kernels, cpu_norm, decode_attention, discrete_ar
 from specray.models.discrete_ar import load_pair
 
 
@@ -109,14 +109,14 @@ def test_each_thread_count_is_checked_on_its_own(kernel, one_thread):
     ("cool_sd", {"cfg_scale": 1.5, "gamma": 4}),
 ])
 def test_the_loops_give_the_same_samples_with_and_without_the_kernels(kernel, one_thread, monkeypatch, method, params):
-    """The attention kernel and the K/V row copies against torch's operations: 64 samples (128 rows, so
-    the speculative arms' ragged verify calls write by blocks), seed 3; both kernels must serve calls."""
+    """The attention kernel, the K/V row copies and the RMSNorm kernel against torch's operations: 64 samples
+    (128 rows, so the speculative arms' ragged verify calls write by blocks), seed 3; the kernels must serve calls."""
     pair = load_pair("digits-gpt-target", "digits-gpt-draft", "cpu")
     ids = torch.arange(64) + 40
-    served, copied = [], []
+    served, copied, normed = [], [], []
     real = decode_attention.attention_for
     extension = cpu_kernels.extension()
-    real_write = extension.write_blocks
+    real_write, real_norm = extension.write_blocks, extension.rms_norm
 
     def counting(*args):
         attend = real(*args)
@@ -129,14 +129,17 @@ def test_the_loops_give_the_same_samples_with_and_without_the_kernels(kernel, on
 
     monkeypatch.setattr(decode_attention, "attention_for", counting)
     monkeypatch.setattr(extension, "write_blocks", counting_write)
+    monkeypatch.setattr(extension, "rms_norm", lambda *args: normed.append(1) or real_norm(*args))
     with_kernels = generate_tokens(method, params, pair, ids % 10, ids, 3)
     assert any(served)  # the attention kernel did serve calls of this run
     assert (method == "target_only") != any(copied)  # verify calls wrote by row copies; target_only by slices
+    assert normed  # the norms ran in the kernel
     monkeypatch.setattr(decode_attention, "ENABLED", False)
     monkeypatch.setattr(discrete_ar, "BLOCK_WRITE_KERNEL", False)
-    copied.clear()
+    monkeypatch.setattr(cpu_norm, "ENABLED", False)
+    copied.clear(), normed.clear()
     without = generate_tokens(method, params, pair, ids % 10, ids, 3)
-    assert not copied
+    assert not copied and not normed
     assert torch.equal(with_kernels[0], without[0])
     assert [vars(s) for s in with_kernels[1]] == [vars(s) for s in without[1]]
 

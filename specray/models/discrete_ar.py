@@ -32,7 +32,6 @@ real position, at the cost of the filled part.
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -42,7 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specray.models import buffer_reuse, cpu_kernels, decode_attention
+from specray.models import buffer_reuse, cpu_kernels, cpu_norm, decode_attention
 from specray.models.captions import CAPTION_PADDINGS, CaptionEmbedder
 from specray.models.conditioning import TextConditionEmbedding
 from specray.models.pair import ModelPair
@@ -163,19 +162,9 @@ class RMSNorm(nn.Module):
         return out.type_as(x) * self.weight
 
     def _cpu_inference(self, x: torch.Tensor) -> torch.Tensor:
-        """The float32 branch's values for CPU inference, cheaper at these sizes: ``mean`` is ``sum`` then
-        a division by the count (what the CPU kernel does), and the count and ``eps`` enter as 0-dim float32
-        tensors (the values Python numbers become) instead of being wrapped into tensors on every call."""
-        count, eps = _float32_scalars(x.shape[-1], self.eps)
-        scale = torch.sum(x * x, dim=-1, keepdim=True).div_(count).add_(eps).rsqrt_()
-        return (x * scale).mul_(self.weight)
-
-
-@functools.lru_cache(maxsize=8)
-def _float32_scalars(*values: float) -> tuple[torch.Tensor, ...]:
-    """``values`` as 0-dim float32 CPU tensors, built once; read-only."""
-    with torch.inference_mode(False):  # plain tensors, whichever mode the first call came in
-        return tuple(torch.tensor(float(v), dtype=torch.float32) for v in values)
+        """The float32 branch's values for CPU inference, in one kernel call where it serves
+        (:mod:`~specray.models.cpu_norm`): at these sizes the operations' dispatch is most of their time."""
+        return cpu_norm.rms_norm(x, self.weight, self.eps)
 
 
 class LabelEmbedding(nn.Module):
@@ -236,8 +225,10 @@ class Attention(nn.Module):
                 write_rows.write(k_cache, k)
                 write_rows.write(v_cache, v)
             else:
-                k_cache[write_rows, positions] = k.to(k_cache.dtype)
-                v_cache[write_rows, positions] = v.to(v_cache.dtype)
+                if k.dtype != k_cache.dtype:  # only then: a no-op cast still costs a dispatch (~1.5 us)
+                    k, v = k.to(k_cache.dtype), v.to(v_cache.dtype)
+                k_cache[write_rows, positions] = k
+                v_cache[write_rows, positions] = v
             span = mask.shape[-1]  # the mask covers the first `span` slots (attention_span)
             if span < k_cache.shape[1]:
                 k_cache, v_cache = k_cache[:, :span], v_cache[:, :span]
@@ -970,6 +961,9 @@ def load_pair(target: str | dict, draft: str | dict | None, device: torch.device
         cpu_kernels.extension()
         if tc.head_dim == decode_attention.HEAD_DIM:
             decode_attention.prepare()
+        for model in (target_model, draft_model):
+            if model is not None:
+                cpu_norm.kernel(model.config.dim)
     info = {
         "image_shape": (tc.grid_size, tc.grid_size),
         "vocab_size": tc.vocab_size,

@@ -11,3 +11,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
 // K or V of n consecutive positions per row copied into a head-major cache (cache_write.cpp); false, with
 // nothing written, where the call is not one it serves.
 bool write_blocks(at::Tensor& storage, const at::Tensor& x, const at::Tensor& rows, const at::Tensor& starts);
+
+// RMSNorm of float32 rows, (x * rsqrt(sum(x * x) / D + eps)) * weight, with the values of torch's operations
+// (rms_norm.cpp); an undefined tensor where the call is not one it serves.
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
