@@ -7,7 +7,7 @@
 // rest to accumulator 0; then ((a0 + a1) + a2) + a3; then one scalar running sum from zero over the floats
 // past the last whole vector, then over the 8 lanes in order. Rows of whole vectors go 8 at a time: their
 // lane totals transposed, so that the 8 running sums, the division, the root and the reciprocal run as
-// vector operations (the same operations, each exactly rounded). specray/models/rms_norm.py compares the
+// vector operations (the same operations, each exactly rounded). specray/models/cpu_norm.py compares the
 // kernel with torch's operations before using it.
 #include "kernels.h"
 #include "transpose8.h"
