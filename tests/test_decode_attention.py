@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from specray.methods.discrete import cpu_rounds
 from specray.methods.discrete.loop import generate_tokens
 from specray.models import cpu_kernels, cpu_norm, decode_attention, discrete_ar
 from specray.models.discrete_ar import load_pair
@@ -107,16 +108,24 @@ def test_each_thread_count_is_checked_on_its_own(kernel, one_thread):
     ("target_only", {"cfg_scale": 1.5}),
     ("sd", {"cfg_scale": 1.5, "gamma": 4}),
     ("cool_sd", {"cfg_scale": 1.5, "gamma": 4}),
+    ("block", {"cfg_scale": 1.5, "gamma": 4}),
+    ("lantern", {"cfg_scale": 1.5, "gamma": 4}),
 ])
 def test_the_loops_give_the_same_samples_with_and_without_the_kernels(kernel, one_thread, monkeypatch, method, params):
-    """The attention kernel, the K/V row copies and the RMSNorm kernel against torch's operations: 64 samples
-    (128 rows, so the speculative arms' ragged verify calls write by blocks), seed 3; the kernels must serve calls."""
+    """The attention kernel, the K/V row copies, the RMSNorm kernel and the rounds' draws and decisions against
+    torch's operations: 64 samples (128 rows, so the speculative arms' ragged verify calls write by blocks), seed 3;
+    the kernels must serve calls."""
     pair = load_pair("digits-gpt-target", "digits-gpt-draft", "cpu")
     ids = torch.arange(64) + 40
-    served, copied, normed = [], [], []
+    served, copied, normed, drawn, decided = [], [], [], [], []
     real = decode_attention.attention_for
     extension = cpu_kernels.extension()
     real_write, real_norm = extension.write_blocks, extension.rms_norm
+    real_draw = extension.sample_categorical
+    round_kernel = cpu_rounds.ROUND_KERNELS.get(method, "chain_round")
+    real_round = getattr(extension, round_kernel)
+    vocab = pair.target.config.vocab_size  # checked before the counting starts (a check calls the kernels too)
+    assert all(cpu_rounds.kernel(name, vocab) for name in ("sample_categorical", *cpu_rounds.ROUND_KERNELS.values()))
 
     def counting(*args):
         attend = real(*args)
@@ -130,16 +139,20 @@ def test_the_loops_give_the_same_samples_with_and_without_the_kernels(kernel, on
     monkeypatch.setattr(decode_attention, "attention_for", counting)
     monkeypatch.setattr(extension, "write_blocks", counting_write)
     monkeypatch.setattr(extension, "rms_norm", lambda *args: normed.append(1) or real_norm(*args))
+    monkeypatch.setattr(extension, "sample_categorical", lambda *args: drawn.append(1) or real_draw(*args))
+    monkeypatch.setattr(extension, round_kernel, lambda *args: decided.append(1) or real_round(*args))
     with_kernels = generate_tokens(method, params, pair, ids % 10, ids, 3)
     assert any(served)  # the attention kernel did serve calls of this run
     assert (method == "target_only") != any(copied)  # verify calls wrote by row copies; target_only by slices
-    assert normed  # the norms ran in the kernel
+    assert normed and drawn  # the norms and the draws ran in the kernels
+    assert (method == "target_only") != bool(decided)  # the speculative rounds were decided in the kernel
     monkeypatch.setattr(decode_attention, "ENABLED", False)
     monkeypatch.setattr(discrete_ar, "BLOCK_WRITE_KERNEL", False)
     monkeypatch.setattr(cpu_norm, "ENABLED", False)
-    copied.clear(), normed.clear()
+    monkeypatch.setattr(cpu_rounds, "ENABLED", False)
+    copied.clear(), normed.clear(), drawn.clear(), decided.clear()
     without = generate_tokens(method, params, pair, ids % 10, ids, 3)
-    assert not copied and not normed
+    assert not copied and not normed and not drawn and not decided
     assert torch.equal(with_kernels[0], without[0])
     assert [vars(s) for s in with_kernels[1]] == [vars(s) for s in without[1]]
 

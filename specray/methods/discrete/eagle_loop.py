@@ -40,6 +40,7 @@ import torch
 from specray import rng
 from specray.families import Method
 from specray.methods.common import RoundTally
+from specray.methods.discrete import cpu_rounds
 from specray.methods.discrete.loop import RoundUniforms, _decide, _next_round
 from specray.methods.discrete.params import Sampling, Speculative
 from specray.methods.discrete.processing import process_with
@@ -210,7 +211,7 @@ def _chain(method: Method, params: Speculative, pair: ModelPair, labels: torch.T
                                     _causal(positions, span, first=1))
                 q, predicted = q[:, 0], out[:, 0]
             qs.append(q)
-            ds.append(rng.sample_categorical_keepdim(q, u_draft))  # [r, 1]: the next step's fed column
+            ds.append(cpu_rounds.sample_categorical_keepdim(q, u_draft))  # [r, 1]: the next step's fed column
         drafts, Q = torch.cat(ds, dim=1), torch.stack(qs, dim=1)
         rnd.tokens.scatter_(1, rnd.positions[:, :gamma], drafts)
         P, hidden = target.probs(rnd.idx, rnd.tokens.gather(1, rnd.fed_positions), rnd.positions, rnd.positions,

@@ -53,6 +53,7 @@ import torch
 from specray import rng
 from specray.families import Method, resolve
 from specray.methods.common import GenerationResult, RoundTally, SampleStats, bind_conditions
+from specray.methods.discrete import cpu_rounds
 from specray.methods.discrete.params import Sampling, Speculative
 from specray.methods.discrete.processing import process_with
 from specray.methods.discrete.rules import Verifier
@@ -213,7 +214,7 @@ def _target_only(pair: ModelPair, sampling: Sampling, labels: torch.Tensor, samp
     for t in range(num_tokens):
         positions = torch.full((batch, 1), t, dtype=torch.int64, device=device)
         probs = stream.probs(idx, fed, positions, all_rows=True, prefix=t == 0)[:, 0]
-        tokens[:, t] = rng.sample_categorical(probs, u[:, t])
+        tokens[:, t] = cpu_rounds.sample_categorical(probs, u[:, t])
         fed = tokens[:, t : t + 1]
     tally = RoundTally(batch, 0, num_tokens)
     tally.add_calls(None, target=num_tokens)
@@ -292,10 +293,10 @@ def _draft(stream: GuidedModel, rnd: _Round, u_draft: torch.Tensor, first_round:
                          all_rows=rnd.full and every, prefix=first_round and i == 0)[:, -1]
         if every:
             Q[:, i] = q
-            drafts[:, i] = rng.sample_categorical(q, u_draft[:, i])
+            drafts[:, i] = cpu_rounds.sample_categorical(q, u_draft[:, i])
         else:
             Q[live, i] = q
-            drafts[live, i] = rng.sample_categorical(q, u_draft[live, i])
+            drafts[live, i] = cpu_rounds.sample_categorical(q, u_draft[live, i])
     return drafts, Q
 
 
@@ -315,7 +316,7 @@ def _draft_every_row(stream: GuidedModel, rnd: _Round, u_draft: torch.Tensor, fi
             positions, fed = later_positions[i - 1], ds[-1]
         q = stream.probs(rnd.idx, fed, positions, all_rows=rnd.full, prefix=first_round and i == 0)[:, -1]
         qs.append(q)
-        ds.append(rng.sample_categorical_keepdim(q, u))  # [r, 1]: the next step's fed column
+        ds.append(cpu_rounds.sample_categorical_keepdim(q, u))  # [r, 1]: the next step's fed column
     return torch.cat(ds, dim=1), torch.stack(qs, dim=1)
 
 
@@ -345,7 +346,7 @@ def _decide(verifier: Verifier, rnd: _Round, P: torch.Tensor, Q: torch.Tensor, d
     for g in groups:
         rows = torch.nonzero(rnd.n_drafts == g).squeeze(1)
         if g == 0:  # only the last image token is left: plain target sampling
-            next_token[rows] = rng.sample_categorical(P[rows, 0], u_residual[rows])
+            next_token[rows] = cpu_rounds.sample_categorical(P[rows, 0], u_residual[rows])
             continue
         out = verifier(P[rows, : g + 1], Q[rows, :g], drafts[rows, :g], u_accept[rows, :g], u_residual[rows])
         n_acc[rows] = out.n_accepted

@@ -56,6 +56,7 @@ from dataclasses import dataclass
 
 import torch
 
+from specray.methods.discrete import cpu_rounds
 from specray.methods.discrete import params as method_params
 from specray.methods.discrete.lantern import (
     LANTERN_MODES,
@@ -500,6 +501,10 @@ def verifier_for(params: method_params.Speculative, pair) -> Verifier:
     rule_params = rule_params_for_pair(params, pair)
 
     def verify_round(P, Q, drafts, u_accept, u_residual) -> VerifyOutput:
+        # One C++ call where it serves (on a CPU), with the same values as the operations below.
+        fast = cpu_rounds.decide(params.rule, rule_params, P, Q, drafts, u_accept, u_residual)
+        if fast is not None:
+            return VerifyOutput(*fast)
         # rule_params were validated above; the loops build the shapes verify expects.
         return _verify_impl(params.rule, P, Q, drafts, u_accept, u_residual, rule_params, validate=False)[0]
 

@@ -3,6 +3,9 @@
 #pragma once
 #include <torch/extension.h>
 
+#include <optional>
+#include <tuple>
+
 // Attention over a KV cache with the values of torch's CPU flash-attention kernel (decode_attention.cpp);
 // an undefined tensor where a block is off the alignment the summation orders were read at.
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& mask,
@@ -15,3 +18,29 @@ bool write_blocks(at::Tensor& storage, const at::Tensor& x, const at::Tensor& ro
 // RMSNorm of float32 rows, (x * rsqrt(sum(x * x) / D + eps)) * weight, with the values of torch's operations
 // (rms_norm.cpp); an undefined tensor where the call is not one it serves.
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
+
+// An inverse-CDF draw per row of probs [rows, V] (float32 or float64, unit stride along V) with float64 uniforms
+// u [rows] or [rows, 1], with the values of specray.rng.sample_categorical (rounds.cpp); an undefined tensor
+// where the call is not one it serves.
+at::Tensor sample_categorical(const at::Tensor& probs, const at::Tensor& u);
+
+// One round's accepted counts, next tokens and accepted mask, with the values of the torch operations of
+// specray/methods/discrete/rules.py (rounds.cpp); undefined tensors where the call is not one it serves.
+// The chain rules sd (no omegas), cool_sd and uniform_rsd (omegas: the round's float64 multipliers):
+std::tuple<at::Tensor, at::Tensor, at::Tensor> chain_round(const at::Tensor& P, const at::Tensor& Q,
+                                                           const at::Tensor& drafts, const at::Tensor& u_accept,
+                                                           const at::Tensor& u_residual,
+                                                           const std::optional<at::Tensor>& omega);
+
+// Block verification:
+std::tuple<at::Tensor, at::Tensor, at::Tensor> block_round(const at::Tensor& P, const at::Tensor& Q,
+                                                           const at::Tensor& drafts, const at::Tensor& u_accept,
+                                                           const at::Tensor& u_residual);
+
+// LANTERN / LANTERN++ with the G* residual (neighbours [V, >= k] int64, nearest first):
+std::tuple<at::Tensor, at::Tensor, at::Tensor> lantern_round(const at::Tensor& P, const at::Tensor& Q,
+                                                             const at::Tensor& drafts, const at::Tensor& u_accept,
+                                                             const at::Tensor& u_residual,
+                                                             const at::Tensor& neighbours, int64_t k,
+                                                             bool lambda_mode, double lam, double delta,
+                                                             bool forbid_zero_target_mass);
