@@ -1,5 +1,5 @@
-"""The discrete loops' draws and the chain rules' decision on a CPU: torch's operations, or one call of specray's
-kernel with their values.
+"""The discrete loops' draws and their rounds' decisions on a CPU: torch's operations, or one call of specray's
+kernels with their values.
 
 At batch 1 a round's work outside the model calls is mostly dispatch: the decision of
 :func:`~specray.methods.discrete.rules.verify` (normalising P and Q in float64, the pass probabilities, the
