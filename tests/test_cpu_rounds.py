@@ -111,6 +111,8 @@ def test_draws_the_kernel_does_not_serve_go_to_torch(extension):
     u = torch.rand(4, dtype=torch.float64)
     assert extension.sample_categorical(laws, u) is None
     assert extension.sample_categorical(laws[:, :17], u.float()) is None  # float32 uniforms: torch converts them
+    assert extension.sample_categorical(laws[:, :17], u[None, :]) is None  # one row of uniforms, not one per row
+    assert extension.sample_categorical(laws[0, :17], u[:1]) is None  # a single law: not 2-D
     assert torch.equal(cpu_rounds.sample_categorical(laws, u), rng.sample_categorical(laws, u))
 
 

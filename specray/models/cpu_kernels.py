@@ -1,9 +1,9 @@
 """specray's C++ kernels for the discrete models' decode steps and verify calls on a CPU (``csrc/``): the
 attention of :mod:`~specray.models.decode_attention`, the K/V writes of
-:class:`~specray.models.discrete_ar.BlockWrite`, the RMSNorm of :mod:`~specray.models.cpu_norm` and the chain
+:class:`~specray.models.discrete_ar.BlockWrite`, the RMSNorm of :mod:`~specray.models.cpu_norm` and the speculative
 rounds' decisions and draws of :mod:`~specray.methods.discrete.cpu_rounds`, one extension.
 
-It is built on first use with torch's C++ extension tools (g++ and ninja; about 1.5 min on 2 cores, then cached
+It is built on first use with torch's C++ extension tools (g++ and ninja; about 1.7 min on 2 cores, then cached
 under ``~/.cache/torch_extensions``, one folder per Python environment). Where it cannot be built (no AVX2, no compiler), or with
 ``SPECRAY_DECODE_KERNEL=0``, :func:`extension` is None and torch's own operations do the same work: the
 kernels never change a value, only the time.

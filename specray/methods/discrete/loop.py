@@ -39,7 +39,8 @@ of the output): the uniforms of a run come from a few large ``rng.uniform`` call
 while every row is active (``full``) the caches are read without a gather copy and rows are
 updated in place; the common round (every row drafts gamma tokens) skips the per-step live-row
 indexing and verifies in one group; counters stay on the device (:class:`~specray.methods.common.RoundTally`) and are moved
-once; the host syncs are two per round (draft lengths, and the active rows only once some are done).
+once; the host syncs are two per round (draft lengths, and the active rows only once some are done). On a CPU a round's
+decision and each draw are one C++ call (:mod:`~specray.methods.discrete.cpu_rounds`, the same values).
 """
 
 from __future__ import annotations

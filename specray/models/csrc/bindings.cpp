@@ -5,7 +5,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "attention over a CPU KV cache with torch's values (heads of 16)");
   m.def("rms_norm", &rms_norm, "RMSNorm of float32 rows with the values of torch's operations");
   m.def("sample_categorical", &sample_categorical, "inverse-CDF draws with the values of specray.rng");
-  m.def("chain_round", &chain_round, "a chain rule's round (sd, cool_sd, uniform_rsd) with the values of torch's operations",
+  m.def("chain_round", &chain_round, "a chain rule's round (sd, cool_sd, uniform_rsd) with torch's values",
         py::arg("P"), py::arg("Q"), py::arg("drafts"), py::arg("u_accept"), py::arg("u_residual"),
         py::arg("omegas") = py::none());
   m.def("block_round", &block_round, "block verification's round with the values of torch's operations");

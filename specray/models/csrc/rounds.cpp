@@ -193,10 +193,11 @@ RoundOutputs decide_chain(const at::Tensor& P, const at::Tensor& Q, const at::Te
 }  // namespace
 
 at::Tensor sample_categorical(const at::Tensor& probs, const at::Tensor& u) {
+  if (probs.dim() != 2 || u.dim() < 1 || u.dim() > 2) return at::Tensor();
   const bool floating = probs.scalar_type() == at::kFloat || probs.scalar_type() == at::kDouble;
-  if (!probs.device().is_cpu() || !floating || probs.dim() != 2 || probs.stride(1) != 1 || !u.device().is_cpu() ||
-      u.scalar_type() != at::kDouble || u.numel() != probs.size(0) || u.dim() < 1 || u.dim() > 2 ||
-      probs.size(1) < 1 || probs.size(1) > kMaxWidth) {
+  const bool one_per_row = (u.dim() == 1 || u.size(1) == 1) && u.size(0) == probs.size(0);
+  if (!probs.device().is_cpu() || !floating || probs.stride(1) != 1 || !u.device().is_cpu() ||
+      u.scalar_type() != at::kDouble || !one_per_row || probs.size(1) < 1 || probs.size(1) > kMaxWidth) {
     return at::Tensor();
   }
   const int64_t rows = probs.size(0), n = probs.size(1), row_stride = probs.stride(0), u_stride = u.stride(0);
