@@ -16,6 +16,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 
@@ -35,6 +36,8 @@ BUILD_NOTICE_S = 5.0  # a load taking longer compiled the extension (a cached on
 
 _lock = threading.Lock()
 _built: dict[str, ModuleType | None] = {}
+_check_lock = threading.Lock()  # not _lock: a check builds the extension first
+_checked: dict[tuple[str, int, int], bool] = {}  # (function, threads, size): it gave torch's values
 
 
 def extension() -> ModuleType | None:
@@ -81,3 +84,20 @@ def _build() -> ModuleType | None:
     if took > BUILD_NOTICE_S:  # it was compiled (changed sources, too): say where the wait went
         log.info("specray CPU kernels: compiled in %.0f s, cached for later runs", took)
     return module
+
+
+def checked(name: str, size: int, matches: Callable[[Callable, int], bool]) -> Callable | None:
+    """The extension's function ``name`` if ``matches(function, size)`` held at this thread count, else None: the
+    check runs once per (function, thread count, size), on plain tensors. A kernel whose sums follow torch's order
+    serves a size only after giving torch's values there (those orders may change with a torch build)."""
+    key = (name, torch.get_num_threads(), size)
+    if key not in _checked:
+        with _check_lock:
+            if key not in _checked:
+                module = extension()
+                with torch.inference_mode(False):
+                    _checked[key] = module is not None and matches(getattr(module, name), size)
+                if module is not None and not _checked[key]:
+                    log.info("specray CPU kernels: %s differs from torch's operations at size %d, %d threads; "
+                             "using torch's there", name, size, key[1])
+    return getattr(extension(), name) if _checked[key] else None

@@ -14,18 +14,12 @@ process at this thread count; else, and where the extension is off or not built
 from __future__ import annotations
 
 import functools
-import logging
-import threading
 
 import torch
 
 from specray.models import cpu_kernels
 
-log = logging.getLogger(__name__)
-
 ENABLED = cpu_kernels.ENABLED
-_lock = threading.Lock()
-_checked: dict[tuple[int, int], bool] = {}  # (threads, width): the kernel gave torch's values
 
 
 @functools.lru_cache(maxsize=8)
@@ -55,23 +49,14 @@ def _matches_torch(kernel, width: int) -> bool:
             x = torch.randn(rows, width, generator=generator) * scale
             got = kernel(x, weight, 1e-5)  # None: a call the kernel does not serve
             if got is None or not torch.equal(got, torch_rms_norm(x, weight, 1e-5)):
-                log.info("RMSNorm: the CPU kernel differs from torch's operations at width %d, %d rows, %d "
-                         "threads; using torch's there", width, rows, torch.get_num_threads())
                 return False
     return True
 
 
 def kernel(width: int):
     """The kernel if it gives torch's values for rows of ``width`` at this thread count, else None (checked
-    once per thread count and width)."""
-    key = (torch.get_num_threads(), width)
-    if key not in _checked:
-        with _lock:
-            if key not in _checked:
-                module = cpu_kernels.extension() if ENABLED else None
-                with torch.inference_mode(False):
-                    _checked[key] = module is not None and _matches_torch(module.rms_norm, width)
-    return cpu_kernels.extension().rms_norm if _checked[key] else None
+    once per thread count and width, :func:`~specray.models.cpu_kernels.checked`)."""
+    return cpu_kernels.checked("rms_norm", width, _matches_torch) if ENABLED else None
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -18,8 +18,6 @@ changes a value. ``ENABLED`` switches the kernels for an A/B comparison.
 from __future__ import annotations
 
 import functools
-import logging
-import threading
 from collections.abc import Callable
 
 import torch
@@ -27,15 +25,11 @@ import torch
 from specray import rng
 from specray.models import cpu_kernels
 
-log = logging.getLogger(__name__)
-
 ENABLED = cpu_kernels.ENABLED
 # Each rule's round kernel (LANTERN with its G* residual only; the official residual runs torch's operations).
 ROUND_KERNELS = {"sd": "chain_round", "cool_sd": "chain_round", "uniform_rsd": "chain_round", "block": "block_round",
                  "lantern": "lantern_round"}
 _NO_NEIGHBOURS = torch.empty(0, 0, dtype=torch.int64)
-_lock = threading.Lock()
-_checked: dict[tuple[str, int, int], bool] = {}  # (kernel, threads, width): it gave torch's values
 
 
 def _test_laws(generator: torch.Generator, shape: tuple[int, ...], dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -129,19 +123,10 @@ _CHECKS = {"sample_categorical": _draws_match, **{name: functools.partial(_round
 
 
 def kernel(name: str, width: int) -> Callable | None:
-    """The kernel ``name`` (``sample_categorical`` or one of :data:`ROUND_KERNELS`) if it gives torch's values at ``width`` at
-    this thread count, else None (checked once per kernel, thread count and width)."""
-    key = (name, torch.get_num_threads(), width)
-    if key not in _checked:
-        with _lock:
-            if key not in _checked:
-                module = cpu_kernels.extension() if ENABLED else None
-                with torch.inference_mode(False):
-                    _checked[key] = module is not None and _CHECKS[name](getattr(module, name), width)
-                if module is not None and not _checked[key]:
-                    log.info("%s: the CPU kernel differs from torch's operations at width %d, %d threads; using "
-                             "torch's there", name, width, torch.get_num_threads())
-    return getattr(cpu_kernels.extension(), name) if _checked[key] else None
+    """The kernel ``name`` (``sample_categorical`` or one of :data:`ROUND_KERNELS`) if it gives torch's values at
+    ``width`` at this thread count, else None (checked once per kernel, thread count and width,
+    :func:`~specray.models.cpu_kernels.checked`)."""
+    return cpu_kernels.checked(name, width, _CHECKS[name]) if ENABLED else None
 
 
 def _fast(name: str, probs: torch.Tensor) -> Callable | None:
