@@ -65,7 +65,7 @@ def _cluster_env(root: Path) -> dict[str, str]:
     env.update(HOME=str(home), PATH=f"{bin_dir}:/usr/bin:/bin", OMP_NUM_THREADS="1", RAY_USAGE_STATS_ENABLED="0",
                PYTHONUNBUFFERED="1")
     # The recipe is under test, not the CPU kernels: with its own HOME the job would compile them again
-    # (about 1.5 min); they give torch's values, checked in test_decode_attention.
+    # (about 45 s); they give torch's values, checked in test_decode_attention.
     env["SPECRAY_DECODE_KERNEL"] = "0"
     return env
 

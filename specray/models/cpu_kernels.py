@@ -3,7 +3,7 @@ attention of :mod:`~specray.models.decode_attention`, the K/V writes of
 :class:`~specray.models.discrete_ar.BlockWrite`, the RMSNorm of :mod:`~specray.models.cpu_norm` and the speculative
 rounds' decisions and draws of :mod:`~specray.methods.discrete.cpu_rounds`, one extension.
 
-It is built on first use with torch's C++ extension tools (g++ and ninja; about 1.7 min on 2 cores, then cached
+It is built on first use with torch's C++ extension tools (g++ and ninja; about 45 s on 2 cores, then cached
 under ``~/.cache/torch_extensions``, one folder per Python environment). Where it cannot be built (no AVX2, no compiler), or with
 ``SPECRAY_DECODE_KERNEL=0``, :func:`extension` is None and torch's own operations do the same work: the
 kernels never change a value, only the time.
@@ -72,8 +72,8 @@ def _build() -> ModuleType | None:
     try:
         from torch.utils.cpp_extension import load
 
-        # Said before the wait: a first use (or changed sources) compiles, silently, for a minute or more.
-        log.info("specray CPU kernels: loading (a first use in an environment compiles them: about 1.5 min "
+        # Said before the wait: a first use (or changed sources) compiles, silently, for most of a minute.
+        log.info("specray CPU kernels: loading (a first use in an environment compiles them: about 45 s "
                  "on 2 cores)")
         module = load(name=NAME, sources=[str(s) for s in SOURCES], extra_cflags=CFLAGS, verbose=False,
                       build_directory=str(_build_directory()))

@@ -1,4 +1,6 @@
 // The Python bindings of specray's CPU kernels (declared in kernels.h).
+#include <torch/python.h>
+
 #include "kernels.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {

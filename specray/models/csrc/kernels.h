@@ -1,7 +1,12 @@
 // specray's CPU kernels for the discrete models' decode steps and verify calls, one extension
 // (specray/models/cpu_kernels.py builds it; bindings.cpp exposes these to Python).
 #pragma once
-#include <torch/extension.h>
+// Only the ATen headers the kernels use: torch/extension.h (all of torch and pybind11) costs ~30 s of
+// compiling per file; bindings.cpp, the one file that needs pybind11, includes torch/python.h.
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <c10/util/Exception.h>
 
 #include <optional>
 #include <tuple>
