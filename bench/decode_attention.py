@@ -4,7 +4,7 @@ On a CPU the discrete GPTs' calls of one query (decode steps) and of 4 to 9 (ver
 :mod:`specray.models.decode_attention` where it matched torch's kernel, and a verify call's K/V writes
 run the C++ row copies of :class:`specray.models.discrete_ar.BlockWrite`, over caches that grow with their
 calls (:meth:`specray.models.discrete_ar.KVCache.reserve`, ``growing``), and their RMSNorms run one C++ call
-each (:mod:`specray.models.cpu_norm`, ``norm``), and the speculative loops' draws and chain rounds
+each (:mod:`specray.models.cpu_norm`, ``norm``), and the speculative loops' draws and round decisions
 one call each (:mod:`specray.methods.discrete.cpu_rounds`, ``rounds``); ``torch`` is what every call did before
 (``SPECRAY_DECODE_KERNEL=0``, static caches), ``kernels`` turns on those given by ``--kernels`` (default
 all five); ``--both`` names kernels on in both settings, to measure one on top of the others
