@@ -116,6 +116,91 @@ def test_draws_the_kernel_does_not_serve_go_to_torch(extension):
     assert torch.equal(cpu_rounds.sample_categorical(laws, u), rng.sample_categorical(laws, u))
 
 
+
+NAN, INF = float("nan"), float("inf")
+# Laws that are not finite and non-negative with mass in every row. torch's operations still give tokens for them
+# (NaN passes through its sums, minima and comparisons, a binary search over unsorted running sums lands where a
+# linear one does not); the kernels leave them to torch. Before that guard they served every case here with other
+# tokens than torch's (0 or 1 against 3 on a width-4 law, found by a review).
+IRREGULAR_ROUNDS = ["zero_p_row", "zero_q_row", "nan_p", "inf_p", "negative_bonus_p"]
+
+
+def _irregular_round(why: str, rule: str, generator: torch.Generator):
+    P, Q, drafts, u_accept, u_residual = _round(rule, generator, 6, 3, 17)
+    row = 1
+    if why == "zero_p_row":  # 0 / 0: a NaN law where the round rejects
+        P[row, 0] = 0.0
+    elif why == "zero_q_row":
+        Q[row, 0] = 0.0
+    elif why == "nan_p":
+        P[row, 0, 5] = NAN
+    elif why == "inf_p":
+        P[row, 0, 5] = INF
+    elif why == "negative_bonus_p":  # every draft passes (q = p, u = 0): the bonus draw meets the negative entry
+        Q[row] = P[row, :3]
+        u_accept[row] = 0.0
+        P[row, 3, 2] = -P[row, 3].sum()
+    return P, Q, drafts, u_accept, u_residual
+
+
+@pytest.mark.parametrize("case, why", [(case, why) for case in ("sd", "cool_sd", "block", "lantern_lambda")
+                                       for why in (*IRREGULAR_ROUNDS, "nan_u_residual")]
+                         + [("cool_sd", "cool_sd_infinite_multiplier")])
+def test_irregular_rounds_go_to_torch_and_nan_uniforms_give_torchs_tokens(extension, case, why):
+    rule, fields = CASES[case]
+    generator = torch.Generator().manual_seed(3)
+    if why == "cool_sd_infinite_multiplier":  # the config refuses such a mu; a direct call must not serve it
+        fields = {**fields, "mu": -800.0}
+    params = rules.RuleParams(**fields, neighbours=NEIGHBOURS[17] if rule == "lantern" else None)
+    if why in IRREGULAR_ROUNDS:
+        round_ = _irregular_round(why, rule, generator)
+    else:
+        round_ = list(_round(rule, generator, 6, 3, 17))
+        if why == "nan_u_residual":
+            round_[4][1] = NAN
+    extra = cpu_rounds.round_arguments(rule, params, 3)
+    got = getattr(extension, cpu_rounds.ROUND_KERNELS[rule])(*round_, *extra)
+    want = rules._verify_impl(rule, *round_, params)[0]
+    if why == "nan_u_residual":  # served: searchsorted's test puts a NaN target past the last running sum
+        assert got[0] is not None
+        assert torch.equal(got[1], want.next_token) and int(want.next_token[1]) == 16
+        assert torch.equal(got[0], want.n_accepted) and torch.equal(got[2], want.accepted_mask)
+    else:
+        assert got[0] is None
+        assert cpu_rounds.decide(rule, params, *round_) is None
+
+
+@pytest.mark.parametrize("why", ["nan", "inf", "negative"])
+def test_irregular_laws_go_to_torch_for_draws(extension, why):
+    generator = torch.Generator().manual_seed(4)
+    for dtype in (torch.float32, torch.float64):
+        laws = cpu_rounds._test_laws(generator, (4, 17), dtype)
+        laws[2, 3] = {"nan": NAN, "inf": INF, "negative": -laws[2].sum()}[why]
+        for u in (torch.rand(4, generator=generator, dtype=torch.float64), torch.zeros(4, dtype=torch.float64)):
+            assert extension.sample_categorical(laws, u) is None
+            assert torch.equal(cpu_rounds.sample_categorical(laws, u), rng.sample_categorical(laws, u))
+
+
+def test_draws_at_nan_uniforms_and_massless_rows_give_torchs_tokens(extension):
+    laws = cpu_rounds._test_laws(torch.Generator().manual_seed(4), (3, 17))
+    laws[2] = 0.0
+    u = torch.tensor([NAN, 0.5, 0.5], dtype=torch.float64)
+    got = extension.sample_categorical(laws, u)
+    assert got is not None and torch.equal(got, rng.sample_categorical(laws, u))
+    assert got[0] == 16 and got[2] == 16  # past the last running sum, as torch's searchsorted puts them
+
+
+def test_the_draw_wrappers_keep_torchs_shapes(extension):
+    laws = cpu_rounds._test_laws(torch.Generator().manual_seed(4), (3, 17), torch.float64)
+    flat = torch.rand(3, dtype=torch.float64)
+    # torch broadcasts a flat u against the keepdim draw's [rows, 1] running sums: [3, 3]; the kernel is not asked
+    assert cpu_rounds.sample_categorical_keepdim(laws, flat).shape == rng.sample_categorical_keepdim(laws, flat).shape
+    with pytest.raises(RuntimeError):  # torch refuses a column for the flat draw, and so does the wrapper
+        rng.sample_categorical(laws, flat[:, None])
+    with pytest.raises(RuntimeError):
+        cpu_rounds.sample_categorical(laws, flat[:, None])
+
+
 def test_the_checks_refuse_kernels_that_normalise_sum_or_weigh_otherwise(extension):
     """Negative controls for the guards: (1) sd's round with every law normalised by a running sum (not torch's
     cascade order): pass probabilities and laws differ in a last bit on some rows; (2) cool_sd and uniform_rsd

@@ -53,6 +53,12 @@ def test_resolve_params_defaults_and_errors():
         resolve_params("lantern", {"mode": "kappa"})
     with pytest.raises(ParamError, match="^lam: "):
         resolve_params("lantern", {"lam": 0.5})
+    # COOL-SD's multipliers must be float64 numbers (an infinite ω times a zero mass is a NaN law)
+    with pytest.raises(ParamError, match=r"^mu: the multipliers .* overflow float64 .* allowed: "):
+        resolve_params("cool_sd", {"gamma": 1, "mu": -720.0})
+    with pytest.raises(ParamError, match=r"^nu: the multipliers .* overflow"):
+        resolve_params("cool_sd", {"nu": 1000.0})  # mu null: the mean of exp(-nu i) underflows to 0
+    assert resolve_params("cool_sd", {"gamma": 1, "mu": -700.0}).mu == -700.0  # large but finite
 
 
 def test_bad_labels_fail_clearly(pair):

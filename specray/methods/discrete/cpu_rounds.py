@@ -136,7 +136,7 @@ def _fast(name: str, probs: torch.Tensor) -> Callable | None:
 def sample_categorical(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """:func:`specray.rng.sample_categorical`'s tokens: by the kernel where it serves (rows of a 2-D law on a CPU,
     float64 uniforms), else by torch's operations."""
-    fast = _fast("sample_categorical", probs)
+    fast = _fast("sample_categorical", probs) if u.dim() == 1 else None  # torch's shapes differ for others
     out = None if fast is None else fast(probs, u)
     return rng.sample_categorical(probs, u) if out is None else out
 
@@ -144,7 +144,7 @@ def sample_categorical(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 def sample_categorical_keepdim(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """:func:`specray.rng.sample_categorical_keepdim`'s tokens ``[r, 1]`` for uniforms ``[r, 1]``, as
     :func:`sample_categorical` chooses."""
-    fast = _fast("sample_categorical", probs)
+    fast = _fast("sample_categorical", probs) if u.dim() == 2 and u.shape[1] == 1 else None
     out = None if fast is None else fast(probs, u)
     return rng.sample_categorical_keepdim(probs, u) if out is None else out
 
@@ -160,7 +160,7 @@ def round_arguments(rule: str, params, gamma: int) -> tuple | None:
         return (rules._omegas_on(rule, gamma, params, torch.device("cpu")),)
     if rule == "block":
         return ()
-    if rule == "lantern" and params.residual == "gstar":
+    if rule == "lantern" and params.residual == "gstar" and (params.k == 0 or params.neighbours is not None):
         neighbours = params.neighbours if params.k > 0 else _NO_NEIGHBOURS
         return (neighbours, params.k, params.mode == "lambda", float(params.lam or 0.0), float(params.delta or 0.0),
                 params.forbid_zero_target_mass)

@@ -137,6 +137,26 @@ class CoolSD(Speculative):
     nu: float = 0.7
     mu: float | None = None
 
+    @model_validator(mode="after")
+    def _finite_schedule(self) -> "CoolSD":
+        # Every ω_i must be a float64 number: an infinite one times a zero target mass is NaN, and a round
+        # would then draw from a NaN law. (mu null with a large nu also fails: the mean of exp(−ν i) is 0.)
+        try:
+            length = self.draft_length
+        except TreeError:
+            return self  # Speculative._tree names the tree's fault
+        try:
+            mu = self.resolved_mu()
+            finite = all(math.isfinite(self.delta * math.exp(-self.nu * i - mu)) for i in range(1, length + 1))
+        except (OverflowError, ValueError):
+            finite = False
+        if not finite:
+            raise ParamError("mu" if self.mu is not None else "nu",
+                             f"the multipliers ω_i = δ·exp(−ν i − μ), i = 1..{length}, overflow float64 with "
+                             f"delta={self.delta}, nu={self.nu}, mu={self.mu}; allowed: −ν i − μ ≤ 709 for every i "
+                             "(mu null: |nu| small enough that the mean of exp(−ν i) is a positive float64)")
+        return self
+
     def resolved_mu(self) -> float:
         """μ itself: mean normalisation over the full round (mean ω = δ) when ``mu`` is null."""
         if self.mu is not None:

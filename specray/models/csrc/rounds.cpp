@@ -12,6 +12,7 @@
 // specray/methods/discrete/cpu_rounds.py compares each kernel with torch's operations before using it.
 #include "kernels.h"
 
+#include <cmath>
 #include <cstdint>
 #include <optional>
 #include <tuple>
@@ -36,7 +37,19 @@ double torch_sum(const double* x, int64_t n) {
   return sum;
 }
 
-// rng.sample_from_cdf on the running sums of `p`: searchsorted(cdf, u * cdf[-1], right=True), at most n - 1.
+// Whether a law's entries are finite and not negative: the kernels serve only such laws. torch's operations give
+// tokens for the others too (NaN passes through its sums, minima and comparisons in its own ways, and a
+// binary search over running sums that are not sorted lands elsewhere than a linear one); they have torch.
+template <typename T>
+bool regular(const T* p, int64_t n) {
+  for (int64_t k = 0; k < n; ++k) {
+    if (!(p[k] >= 0) || !std::isfinite(static_cast<double>(p[k]))) return false;
+  }
+  return true;
+}
+
+// rng.sample_from_cdf on the running sums of a regular law `p`: searchsorted(cdf, u * cdf[-1], right=True), at most
+// n - 1. The test is searchsorted's, !(cdf > target), so that a NaN uniform gives n - 1 as there.
 template <typename T>
 int64_t draw(const T* p, int64_t n, double u) {
   double cdf[kMaxWidth];
@@ -44,8 +57,21 @@ int64_t draw(const T* p, int64_t n, double u) {
   for (int64_t k = 0; k < n; ++k) cdf[k] = running += static_cast<double>(p[k]);
   const double target = u * cdf[n - 1];
   int64_t k = 0;
-  while (k < n - 1 && cdf[k] <= target) ++k;
+  while (k < n - 1 && !(cdf[k] > target)) ++k;
   return k;
+}
+
+// Every row of a contiguous [rows, n] float32 law is regular and has mass (so that its normalised law is finite).
+bool regular_rows(const at::Tensor& laws) {
+  const int64_t n = laws.size(-1), rows = n > 0 ? laws.numel() / n : 0;
+  const float* x = laws.data_ptr<float>();
+  for (int64_t r = 0; r < rows; ++r, x += n) {
+    if (!regular(x, n)) return false;
+    bool mass = false;
+    for (int64_t k = 0; k < n && !mass; ++k) mass = x[k] > 0.0f;
+    if (!mass) return false;
+  }
+  return true;
 }
 
 // rules.normalise of one row: float64, divided by its torch sum.
@@ -62,8 +88,9 @@ double pass_probability(double numerator, double q) {
   return ratio > 1.0 ? 1.0 : ratio;
 }
 
-// What every round kernel takes: P [rows, gamma + 1, V] and Q [rows, gamma, V] float32 contiguous, drafts [rows,
-// gamma] int64 within V, u_accept [rows, gamma] and u_residual [rows] float64, all on the CPU, 4 <= V < 256.
+// What every round kernel takes: P [rows, gamma + 1, V] and Q [rows, gamma, V] float32 contiguous with regular rows
+// that have mass, drafts [rows, gamma] int64 within V, u_accept [rows, gamma] and u_residual [rows] float64, all on
+// the CPU, 4 <= V < 256.
 bool serves(const at::Tensor& P, const at::Tensor& Q, const at::Tensor& drafts, const at::Tensor& u_accept,
             const at::Tensor& u_residual) {
   if (P.dim() != 3 || Q.dim() != 3 || drafts.dim() != 2 || u_accept.dim() != 2 || u_residual.dim() != 1) return false;
@@ -83,7 +110,7 @@ bool serves(const at::Tensor& P, const at::Tensor& Q, const at::Tensor& drafts, 
       if (d[b][i] < 0 || d[b][i] >= n) return false;  // torch's indexing raises: let it
     }
   }
-  return true;
+  return regular_rows(P) && regular_rows(Q);
 }
 
 // The token after `accepted` drafts: drawn from `law` (the residual) unless it has no mass or every draft was
@@ -205,8 +232,15 @@ at::Tensor sample_categorical(const at::Tensor& probs, const at::Tensor& u) {
   int64_t* dst = out.data_ptr<int64_t>();
   const double* us = u.data_ptr<double>();
   for (int64_t r = 0; r < rows; ++r) {
-    dst[r] = probs.scalar_type() == at::kFloat ? draw(probs.data_ptr<float>() + r * row_stride, n, us[r * u_stride])
-                                               : draw(probs.data_ptr<double>() + r * row_stride, n, us[r * u_stride]);
+    if (probs.scalar_type() == at::kFloat) {
+      const float* law = probs.data_ptr<float>() + r * row_stride;
+      if (!regular(law, n)) return at::Tensor();
+      dst[r] = draw(law, n, us[r * u_stride]);
+    } else {
+      const double* law = probs.data_ptr<double>() + r * row_stride;
+      if (!regular(law, n)) return at::Tensor();
+      dst[r] = draw(law, n, us[r * u_stride]);
+    }
   }
   return out;
 }
@@ -218,8 +252,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> chain_round(const at::Tensor& P, 
   const at::Tensor omegas = omega.has_value() ? *omega : at::Tensor();
   if (!serves(P, Q, drafts, u_accept, u_residual)) return kNotServed;
   if (omegas.defined() && !(omegas.device().is_cpu() && omegas.scalar_type() == at::kDouble && omegas.dim() == 1 &&
-                            omegas.size(0) == Q.size(1) && omegas.is_contiguous())) {
-    return kNotServed;
+                            omegas.size(0) == Q.size(1) && omegas.is_contiguous() &&
+                            regular(omegas.data_ptr<double>(), omegas.size(0)))) {
+    return kNotServed;  // an infinite multiplier times a zero mass is NaN, which torch's operations carry
   }
   // sd: P(x) itself (its residual [p - q]_+ is [p - min(q, p)]_+ bit for bit); cool_sd, uniform_rsd: w_i P(x).
   const double* w = omegas.defined() ? omegas.data_ptr<double>() : nullptr;
