@@ -201,6 +201,15 @@ def test_the_draw_wrappers_keep_torchs_shapes(extension):
         cpu_rounds.sample_categorical(laws, flat[:, None])
 
 
+
+def test_lantern_without_its_table_goes_to_torchs_error(extension):
+    P, Q, drafts, u_accept, u_residual = _round("lantern", torch.Generator().manual_seed(3), 2, 4, 17)
+    params = rules.RuleParams(k=2, lam=2.0)  # no neighbours: the kernel is not asked (it would raise a TypeError)
+    assert cpu_rounds.decide("lantern", params, P, Q, drafts, u_accept, u_residual) is None
+    with pytest.raises(ValueError, match="params.neighbours is required"):
+        rules.verify("lantern", P, Q, drafts, u_accept, u_residual, params)
+
+
 def test_the_checks_refuse_kernels_that_normalise_sum_or_weigh_otherwise(extension):
     """Negative controls for the guards: (1) sd's round with every law normalised by a running sum (not torch's
     cascade order): pass probabilities and laws differ in a last bit on some rows; (2) cool_sd and uniform_rsd
