@@ -1,7 +1,7 @@
 """The CPU kernels of the discrete rounds (specray/methods/discrete/cpu_rounds.py): a round's decision (sd,
 cool_sd, uniform_rsd, block, LANTERN++) and the inverse-CDF draw with the torch operations' values where they serve
-a call, torch's operations everywhere else, and kernels that normalise, sum or weigh otherwise refused by the
-checks."""
+a call, torch's operations everywhere else (irregular laws among them), and kernels that normalise, sum or weigh
+otherwise refused by the checks."""
 
 from __future__ import annotations
 

@@ -11,8 +11,10 @@ residual) in one call, and a draw in one.
 Only the float64 sums that normalise a distribution depend on an order: torch's (its CPU sum kernel), which may
 change with a torch build. So each kernel serves a width only after it has matched torch's operations value for
 value on it (:func:`_draws_match`, :func:`_rounds_match`), in this process at this thread count; else, and where
-the extension is off or not built (:mod:`~specray.models.cpu_kernels`), torch's operations run. The choice never
-changes a value. ``ENABLED`` switches the kernels for an A/B comparison.
+the extension is off or not built (:mod:`~specray.models.cpu_kernels`), torch's operations run. The kernels also
+leave to torch every law with a NaN, infinite or negative entry or a row without mass (torch gives tokens for
+those in its own ways), and uniforms of other shapes than torch's own for the call. The choice never changes a
+value. ``ENABLED`` switches the kernels for an A/B comparison.
 """
 
 from __future__ import annotations

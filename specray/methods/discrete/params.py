@@ -146,8 +146,7 @@ class CoolSD(Speculative):
         except TreeError:
             return self  # Speculative._tree names the tree's fault
         try:
-            mu = self.resolved_mu()
-            finite = all(math.isfinite(self.delta * math.exp(-self.nu * i - mu)) for i in range(1, length + 1))
+            finite = all(math.isfinite(omega) for omega in self.multipliers())
         except (OverflowError, ValueError):
             finite = False
         if not finite:
@@ -164,11 +163,15 @@ class CoolSD(Speculative):
         length = self.draft_length
         return math.log(sum(math.exp(-self.nu * i) for i in range(1, length + 1)) / length)
 
+    def multipliers(self) -> list[float]:
+        """ω_i = δ·exp(−ν i − μ), i = 1..draft_length, as Python floats (``rules.cool_sd_omegas``: the tensor)."""
+        mu = self.resolved_mu()
+        return [self.delta * math.exp(-self.nu * i - mu) for i in range(1, self.draft_length + 1)]
+
     @property
     def lossless(self) -> bool:
         # With every ω_i <= 1 the relaxed rule only tightens acceptance and G* restores the law.
-        mu = self.resolved_mu()
-        return max(self.delta * math.exp(-self.nu * i - mu) for i in range(1, self.draft_length + 1)) <= 1.0
+        return max(self.multipliers()) <= 1.0
 
 
 class UniformRSD(Speculative):

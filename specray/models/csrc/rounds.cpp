@@ -39,7 +39,7 @@ double torch_sum(const double* x, int64_t n) {
 
 // Whether a law's entries are finite and not negative: the kernels serve only such laws. torch's operations give
 // tokens for the others too (NaN passes through its sums, minima and comparisons in its own ways, and a
-// binary search over running sums that are not sorted lands elsewhere than a linear one); they have torch.
+// binary search over running sums that are not sorted lands elsewhere than a linear one), so those go to torch.
 template <typename T>
 bool regular(const T* p, int64_t n) {
   for (int64_t k = 0; k < n; ++k) {
