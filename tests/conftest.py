@@ -13,6 +13,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 import uuid
@@ -25,6 +26,17 @@ import pytest
 # The release-checkpoint modules ask for it with pytest.mark.usefixtures("single_thread"), which an
 # import inside each module cannot keep (a linter sees it unused).
 from tests.checkpoint_fixtures import single_thread  # noqa: F401
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # In a new environment the CPU kernels compile on first use (~45 s, a compiler on the other core):
+    # start that while pytest collects, rather than in the first test that needs them. Callers of
+    # cpu_kernels.extension() wait for this build; a build that fails logs why, as it would there.
+    from specray.models import cpu_kernels
+
+    if cpu_kernels.ENABLED:
+        threading.Thread(target=cpu_kernels.extension, name="cpu-kernels-build", daemon=True).start()
+
 
 FAKE_ACCESS_KEY = "testing"
 FAKE_SECRET_KEY = "testing"
