@@ -102,3 +102,17 @@ def test_run_then_reduce(ray_local, tmp_path, monkeypatch):  # noqa: F811
     assert CliRunner().invoke(specray, ["reduce", str(out)]).exit_code == 0 and len(calls) == 2
     missing = CliRunner().invoke(specray, ["report", str(tmp_path / "nowhere")])
     assert missing.exit_code == 2 and "_manifest.json" in missing.stderr
+
+
+@pytest.mark.parametrize("given, expected", [(None, "4"), ("12", "12")])
+def test_importing_specray_first_stops_openblas_spinning_unless_told_otherwise(given, expected):
+    """numpy loaded after ``import specray`` gets OPENBLAS_THREAD_TIMEOUT=4 (its workers sleep at once instead
+    of holding the cores torch's threads wait for in the reducer); a value the user set is kept."""
+    import os
+
+    env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_THREAD_TIMEOUT"}
+    if given is not None:
+        env["OPENBLAS_THREAD_TIMEOUT"] = given
+    code = "import os, specray, numpy; print(os.environ['OPENBLAS_THREAD_TIMEOUT'])"
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert proc.stdout.strip() == expected

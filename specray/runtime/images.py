@@ -13,6 +13,8 @@ from collections.abc import Iterable
 import numpy as np
 import pyarrow as pa
 
+from specray.runtime.png_batch import decode_png_batch
+
 IMAGE_TYPE = pa.struct([("bytes", pa.binary()), ("path", pa.string())])
 _GREY_MODES = ("L", "P", "1", "I;16")
 _PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -64,6 +66,9 @@ def image_cell(image: np.ndarray) -> dict[str, bytes | None]:
 def decode_image_column(column: pa.Array | Iterable[bytes | None], where: str = "a batch") -> np.ndarray:
     """An ``image`` column (struct<bytes, path>, or plain bytes) -> uint8 ``[N, H, W(, 3)]``."""
     blobs = column.field("bytes").to_pylist() if hasattr(column, "field") else list(column)
+    batch = decode_png_batch(blobs)  # specray's own small PNGs all at once; None: anything else, one by one
+    if batch is not None:
+        return batch
     decoded = []
     for i, blob in enumerate(blobs):
         if blob is None:
