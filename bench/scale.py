@@ -105,6 +105,8 @@ def main() -> None:
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
+    import specray  # noqa: F401  before torch loads numpy: specray/__init__.py sets OpenBLAS's spin timeout
+    # isort: split
     import torch
 
     from specray.runtime.coordinator import run_job
