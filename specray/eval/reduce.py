@@ -48,6 +48,7 @@ report.json (``format`` "specray-report/1")::
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Any
 
@@ -59,6 +60,7 @@ from specray.eval.bootstrap import bias_shifted_interval
 from specray.eval.checks import MIN_SAMPLES_PER_ARM, RunCheckError, check_run  # noqa: F401  (RunCheckError re-exported)
 from specray.eval.extractors import ImageFeatureExtractor
 from specray.eval.fid import digits_reference_images, fid_torch_fidelity, frechet_distance
+from specray.eval.forward_memo import forward_memo
 from specray.eval.noise import claimed_law, law_note, seed_spread, target_only_params
 from specray.eval.options import ReduceOptions
 from specray.eval.quality import precision_recall
@@ -130,10 +132,11 @@ def reduce_run(
     extraction_s = 0.0
     with Progress(manifest.num_rows, what="features", enabled=show_progress) as progress:
         for index, arm in enumerate(manifest.arm_names):
-            acc, seconds = _stream_arm(store, manifest, arm, extractor, options, progress, scorer)
-            extraction_s += seconds
-            arm_results[arm] = _score_arm(arm, manifest, acc, reference_stats, reference_images, options,
-                                          bootstrap_fids)
+            with _second_pass_memo(extractor, reference_images, options):
+                acc, seconds = _stream_arm(store, manifest, arm, extractor, options, progress, scorer)
+                extraction_s += seconds
+                arm_results[arm] = _score_arm(arm, manifest, acc, reference_stats, reference_images, options,
+                                              bootstrap_fids)
             accumulators[arm] = acc
             progress.note(f"reduce: [{index + 1}/{len(manifest.arm_names)}] {arm}: {acc.totals.num_samples} "
                           f"images, FID {arm_results[arm]['fid']['value']:.2f}")
@@ -148,6 +151,16 @@ def reduce_run(
         print(format_table(report))
     say(f"report: {store.full_path('report/report.md')} (report.json, plots and grid.png beside it)")
     return report
+
+
+def _second_pass_memo(extractor: ImageFeatureExtractor, reference_images: torch.Tensor | None,
+                      options: ReduceOptions) -> contextlib.AbstractContextManager:
+    """torch-fidelity's pass over an arm's kept images recalls the streamed pass's FID features of the same
+    batches (``forward_memo``): both cut the images into batches of 256, so every batch of a shard whose rows
+    are a multiple of 256 is found. Only for the digits extractor on the CPU, where torch-fidelity runs."""
+    if reference_images is None or extractor.device.type != "cpu":
+        return contextlib.nullcontext()
+    return forward_memo([extractor.layers["fid"]], options.image_budget_bytes)
 
 
 def _say(message: str) -> None:
