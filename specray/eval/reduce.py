@@ -11,7 +11,9 @@
 3. FID against the reference statistics of ``eval.reference`` (``reference.py``: digits,
    ADM ``.npz``, torch-fidelity stats, image folder, Parquet). The point value comes from
    ``torch_fidelity.calculate_metrics`` for the digits reference while an arm's images fit
-   ``image_budget_bytes``, otherwise from streamed moments through torch-fidelity's formula;
+   ``image_budget_bytes``, otherwise from streamed moments through torch-fidelity's formula
+   (its pass over the images recalls the streamed pass's features of identical batches:
+   ``forward_memo.py``);
 4. speedups against the baseline (``speedup.py``): throughput at the run's batch size,
    latency at batch 1, the NFE ratio, each with a 95% bootstrap interval; warm-up dropped;
 5. "within noise": the paired bootstrap FID difference and, with seed replicas
