@@ -89,3 +89,4 @@ def test_the_memo_keeps_only_its_layers_within_its_budget():
     memo.keep(memo.key(other, ("m",)), outputs)  # over the budget: not kept
     assert memo.bytes == 128 and memo.recall(memo.key(other, ("m",)), ["fc1"]) is None
     assert ForwardMemo.key(batch.to("meta"), ("m",)) is None  # not on the CPU: computed again
+    assert ForwardMemo.key(batch.float(), ("m",)) is None  # not uint8 images

@@ -131,6 +131,9 @@ OTHER_KINDS = {
     "trailing bytes": BLOB + b"\x00",
     "not a png": b"GIF89a" + BLOB[6:],
     "too large": encode_png(np.zeros((33, 32), np.uint8)),
+    # an 8x8 header over a stream that inflates to 1 MiB: never inflated past the image's 72 bytes here
+    "inflates past its size": b"\x89PNG\r\n\x1a\n" + _chunk(b"IHDR", struct.pack(">IIBBBBB", 8, 8, 8, 0, 0, 0, 0))
+    + _chunk(b"IDAT", zlib.compress(bytes(2**20))) + _chunk(b"IEND", b""),
 }
 
 
@@ -150,3 +153,16 @@ def test_the_column_decoder_falls_back_and_keeps_its_errors():
     with pytest.raises(ValueError, match="image 1 of a batch has no bytes"):
         decode_image_column([BLOB, None])
     assert decode_png_batch([]) is None
+
+
+def test_a_stream_that_inflates_past_its_image_is_not_inflated():
+    """The 8x8 image over a 1 MiB stream: decoding allocates far less than the stream would inflate to."""
+    import tracemalloc
+
+    tracemalloc.start()
+    try:
+        assert decode_png_batch([OTHER_KINDS["inflates past its size"]]) is None
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 2**16

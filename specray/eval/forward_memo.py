@@ -31,8 +31,8 @@ class ForwardMemo:
 
     @staticmethod
     def key(batch: torch.Tensor, model: tuple) -> tuple | None:
-        """None for a batch not on the CPU (a GPU reduce computes again)."""
-        if batch.device.type != "cpu":
+        """None for a batch that is not uint8 on the CPU (a GPU reduce computes again)."""
+        if batch.device.type != "cpu" or batch.dtype != torch.uint8:
             return None
         digest = hashlib.blake2b(batch.contiguous().numpy().tobytes(), digest_size=16).digest()
         return (*model, tuple(batch.shape), str(batch.dtype), digest)

@@ -60,11 +60,13 @@ def _filtered_scanlines(blob: bytes | None) -> tuple[bytes, bytes] | None:
         return None
     if not 0 < width * height <= MAX_PIXELS:
         return None
-    try:
-        raw = zlib.decompress(b"".join(data for _, data in chunks[1:-1]))
+    expected = height * (1 + width * _CHANNELS[colour])
+    inflater = zlib.decompressobj()
+    try:  # at most one byte more than the image holds: a stream that inflates further is left to PIL
+        raw = inflater.decompress(b"".join(data for _, data in chunks[1:-1]), expected + 1)
     except zlib.error:
         return None
-    return (header, raw) if len(raw) == height * (1 + width * _CHANNELS[colour]) else None
+    return (header, raw) if len(raw) == expected and inflater.eof else None
 
 
 def _paeth(left: np.ndarray, up: np.ndarray, upper_left: np.ndarray) -> np.ndarray:
