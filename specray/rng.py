@@ -181,6 +181,33 @@ def uniform(
     return _to_uniform(random_bits(seed, sample_ids, stream, position, step, shape, device))
 
 
+def uniform_streams(
+    seed: int,
+    sample_ids: TensorLike,
+    streams: Sequence[str | int],
+    position: TensorLike = 0,
+    step: TensorLike = 0,
+    device: torch.device | str | None = None,
+) -> torch.Tensor:
+    """:func:`uniform` of each of ``streams`` at the same keys, stacked on a last dimension: shape ``S + (len(streams),)``.
+
+    The same values as ``torch.stack([uniform(seed, sample_ids, s, position, step) for s in streams], -1)``
+    (the hash is elementwise, so the stream enters as one more broadcast field), in one pass of the
+    hash's operations instead of one per stream: a loop's uniforms cost those operations' dispatch.
+    """
+    if device is None and isinstance(sample_ids, torch.Tensor):
+        device = sample_ids.device
+    ids = torch.tensor([stream_id(s) for s in streams], dtype=torch.int64, device=device)
+    h = _mix(_mix_int(int(seed) & 0x7FFFFFFFFFFFFFFF) ^ _as_long(sample_ids, device)[..., None])
+    h = _mix(h ^ ids)
+    return _to_uniform(bits_at(extend_hash(h, _trailing(position, device), _trailing(step, device))))
+
+
+def _trailing(x: TensorLike, device: torch.device | str | None) -> torch.Tensor | int:
+    """A key field given one more trailing dimension (the streams'), an int as it is."""
+    return x if isinstance(x, int) else _as_long(x, device)[..., None]
+
+
 def normal(
     seed: int,
     sample_ids: TensorLike,

@@ -66,6 +66,23 @@ def test_broadcast_keys_draw_the_reference_bits():
         assert value == _splitmix_reference(11, int(ids[b]), "accept", int(pos[p]), int(steps[s]), j)
 
 
+def test_uniforms_of_several_streams_in_one_pass_are_each_streams_own():
+    """``uniform_streams`` (a loop's per-round uniforms) stacks the very draws of ``uniform`` per stream,
+    checked against the scalar reference hash too; the stream order is the stack's."""
+    ids, pos, steps = torch.tensor([3, 90]), torch.tensor([0, 7, 63]), torch.tensor([1, 5, 8, 13])
+    streams = ("draft", "accept", "residual")
+    u = rng.uniform_streams(11, ids[:, None, None], streams, pos[None, :, None], steps[None, None, :])
+    assert u.shape == (2, 3, 4, 3) and u.dtype == torch.float64
+    for k, stream in enumerate(streams):
+        assert torch.equal(u[..., k], rng.uniform(11, ids[:, None, None], stream, pos[None, :, None], steps[None, None, :]))
+    ref = _splitmix_reference(11, 90, "residual", 63, 8, 0)
+    assert u[1, 2, 2, 2].item() == ((ref % (1 << 64)) >> 11) / (1 << 53)
+    # int fields as they are, a stream given by its id, and the order of the streams kept
+    flipped = rng.uniform_streams(11, 90, (rng.stream_id("residual"), "draft"), position=63, step=8)
+    assert flipped.tolist() == [u[1, 2, 2, 2].item(), u[1, 2, 2, 0].item()]
+    assert len(set(u[0, 0, 0].tolist())) == 3  # the streams are independent draws
+
+
 def test_uniform_and_normal_distributions():
     # N = 200k draws, seed 0; KS at level 1e-3 (critical value 1.95/sqrt(N)).
     n = 200_000

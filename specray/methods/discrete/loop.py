@@ -34,8 +34,9 @@ COOL-SD in a row's shortened last round (``g_b < gamma``) uses the first ``g_b``
 multipliers of the full-gamma schedule (mu is fixed from gamma when left None).
 
 Performance (the models are tiny, so per-op dispatch dominates; none of this changes a bit
-of the output): the uniforms of a run come from a few large ``rng.uniform`` calls
-(:class:`RoundUniforms`, target_only's in one call) instead of one call per step and stream;
+of the output): the uniforms of a run come from a few large calls (:class:`RoundUniforms`, the
+three streams in one hash pass of ``rng.uniform_streams``; target_only's in one ``rng.uniform`` call)
+instead of one call per step and stream;
 while every row is active (``full``) the caches are read without a gather copy and rows are
 updated in place; the common round (every row drafts gamma tokens) skips the per-step live-row
 indexing and verifies in one group; counters stay on the device (:class:`~specray.methods.common.RoundTally`) and are moved
@@ -178,11 +179,8 @@ class RoundUniforms:
         while len(self.chunks) <= step // self.chunk:
             start = len(self.chunks) * self.chunk
             steps = torch.arange(start, start + self.chunk, device=self.positions.device)
-            self.chunks.append(torch.stack([
-                rng.uniform(self.seed, self.sample_ids[:, None, None], stream,
-                            position=self.positions[None, :, None], step=steps[None, None, :])
-                for stream in self.STREAMS
-            ], dim=-1))
+            self.chunks.append(rng.uniform_streams(self.seed, self.sample_ids[:, None, None], self.STREAMS,
+                                                   position=self.positions[None, :, None], step=steps[None, None, :]))
         slab = self.chunks[step // self.chunk][:, :, step % self.chunk]  # [B, positions, 3]
         rows = slab if idx.shape[0] == slab.shape[0] else slab[idx]  # full batch: idx is arange
         return torch.gather(rows, 1, positions[:, :, None].expand(-1, -1, 3))
@@ -310,9 +308,9 @@ def _draft_every_row(stream: GuidedModel, rnd: _Round, u_draft: torch.Tensor, fi
         fed = sequence_tokens(rnd.labels, rnd.tokens, positions)
     else:
         fed = rnd.tokens.gather(1, positions - 1)
-    later_positions = rnd.positions[:, 1:gamma].split(1, dim=1)
+    later_positions = rnd.positions[:, 1:gamma, None].unbind(1)  # [r, 1] columns, one op (split costs more)
     qs, ds = [], []
-    for i, u in enumerate(u_draft.split(1, dim=1)):
+    for i, u in enumerate(u_draft[:, :, None].unbind(1)):
         if i > 0:
             positions, fed = later_positions[i - 1], ds[-1]
         q = stream.probs(rnd.idx, fed, positions, all_rows=rnd.full, prefix=first_round and i == 0)[:, -1]
