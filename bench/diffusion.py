@@ -29,13 +29,17 @@ spec_block (residual sampler) with the frozen, free and model drafters at gamma 
   work is done). ``eff`` and ``run-eff`` agree when the calls cost in the loop what they cost alone;
 - ``loop/rnd``: the time outside the calls per loop iteration in ms (a round; target_only: a step),
   from the same split (on a GPU: time - predicted time), over the iterations, where a batch's
-  iterations are its slowest row's rounds.
+  iterations are its slowest row's rounds;
+- ``pred-seq``: the speedup predicted by each batch's calls, recorded with their inputs in the
+  untimed pass, made again in the same order with nothing between them and timed in turns with the
+  runs (:class:`~bench.pricing.CallRecording`); ``eff-seq`` = speedup / pred-seq: the cost of the
+  loop's own work alone (``--no-replay`` skips the replays).
 
 Both clocks are measured: wall time, and process CPU time, which leaves out the time the process
 waits for a core on a shared machine (valid for single-threaded CPU runs only). The main columns use
 ``--clock`` (auto: cpu on a CPU device, wall on CUDA); the last two columns give the other clock.
 
-    python bench/diffusion.py [--quick] [--steps 100,1000] [--json out.json] [--device cpu] [--clock auto|wall|cpu]
+    python bench/diffusion.py [--quick] [--no-replay] [--steps 100,1000] [--json out.json] [--device cpu] [--clock auto|wall|cpu]
 """
 
 from __future__ import annotations
@@ -54,6 +58,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.pricing import (  # noqa: E402
     CLOCK_NAMES,
+    CallRecording,
     InterleavedTimer,
     add_common_args,
     batches_of,
@@ -61,8 +66,11 @@ from bench.pricing import (  # noqa: E402
     paired_speedup,
     parse_shape,
     per_repetition,
+    replay_name,
+    replay_time,
     run_arm,
     run_in_turns,
+    sequence_speedup,
     shape_key,
     split_efficiency,
     start_report,
@@ -106,8 +114,10 @@ class CallCounts:
 
 
 
-def count_calls(method: str, params: dict[str, Any], pair: ModelPair, work: list, seed: int) -> tuple[CallCounts, list]:
-    """Untimed pass with :meth:`Denoiser.forward` wrapped: every call counted by model and rows fed."""
+def count_calls(method: str, params: dict[str, Any], pair: ModelPair, work: list, seed: int,
+                ) -> tuple[CallCounts, list, list[CallRecording]]:
+    """Untimed pass with :meth:`Denoiser.forward` wrapped: every call counted by model and rows fed, and each
+    batch's calls recorded in order (:class:`~bench.pricing.CallRecording`; the UNet keeps no state)."""
     counts: Counter[str] = Counter()
     original = Denoiser.forward
 
@@ -116,15 +126,20 @@ def count_calls(method: str, params: dict[str, Any], pair: ModelPair, work: list
         return original(self, x, *args, **kwargs)
 
     Denoiser.forward = counted  # type: ignore[method-assign]
+    stats, recordings = [], []
     try:
-        stats = [run_arm(run_batch, method, params, pair, [unit], seed)[1] for unit in work]  # per batch
+        for unit in work:
+            with CallRecording({Denoiser: "forward"}) as recording:
+                stats.append(run_arm(run_batch, method, params, pair, [unit], seed)[1])  # per batch
+            recordings.append(recording)
     finally:
         Denoiser.forward = original  # type: ignore[method-assign]
     if method == "target_only":
         iterations = params["num_steps"] * len(work)
     else:
         iterations = sum(max(s.num_spec_steps for s in batch_stats) for batch_stats in stats)
-    return CallCounts(dict(sorted(counts.items())), iterations), [s for batch_stats in stats for s in batch_stats]
+    return (CallCounts(dict(sorted(counts.items())), iterations), [s for batch_stats in stats for s in batch_stats],
+            recordings)
 
 
 # ---- pricing the calls --------------------------------------------------------------------------
@@ -192,6 +207,8 @@ class ClockResult:
     overhead: float  # median time / predicted time of the arm's own calls
     loop_s_per_iteration: float  # median time outside the calls (in-run split; else time - predicted time) / iterations
     run_efficiency: float | None  # efficiency with each run's own time in calls for the predicted (CPU only)
+    sequence_predicted: float | None  # predicted speedup from the replays of the calls in sequence (--replay)
+    sequence_efficiency: float | None  # speedup / sequence_predicted
     reps_s: list[float] = field(default_factory=list)
     reps_loop_s: list[float] = field(default_factory=list)  # time outside the calls, per repetition (CPU only)
 
@@ -217,20 +234,28 @@ def arm_params(method: str, drafter: str | None, num_steps: int, gamma: int) -> 
 
 
 def bench_config(pair: ModelPair, num_steps: int, batch: int, samples: int, reps: int, gamma: int,
-                 seed: int) -> tuple[list[ArmResult], dict[str, dict[str, float]]]:
+                 seed: int, replay: bool = True) -> tuple[list[ArmResult], dict[str, dict[str, float]]]:
     work = batches_of(samples, batch)
     arms = [(name, method, arm_params(method, drafter, num_steps, gamma)) for name, method, drafter in ARMS]
     # The untimed counting pass doubles as the warm-up (allocator, kernels) of every arm.
     counted = {name: count_calls(method, params, pair, work, seed) for name, method, params in arms}
-    rows = rows_to_time([c for c, _ in counted.values()])
+    rows = rows_to_time([c for c, _, _ in counted.values()])
     guidance = arms[0][2].get("guidance_scale", 1.0)
 
     split = pair.device.type == "cpu"
     call_costs = cost_timer(pair, rows, guidance)
     by_name = {name: (method, params) for name, method, params in arms}
-    runs, outside = run_in_turns(
-        list(by_name), work, reps, lambda name, unit: run_arm(run_batch, *by_name[name], pair, [unit], seed)[0],
-        lambda: call_costs.step(len(call_costs.calls)), {Denoiser: "forward"} if split else None)
+    # Each arm's calls replayed in sequence take turns with the runs, as one more "arm" each.
+    replays = {replay_name(name): name for name in by_name} if replay else {}
+    unit_index = {id(unit): i for i, unit in enumerate(work)}
+
+    def run(name: str, unit: Any) -> dict[str, float]:
+        if name in replays:
+            return replay_time(counted[replays[name]][2][unit_index[id(unit)]], pair.device)
+        return run_arm(run_batch, *by_name[name], pair, [unit], seed)[0]
+
+    runs, outside = run_in_turns([*by_name, *replays], work, reps, run, lambda: call_costs.step(len(call_costs.calls)),
+                                 {Denoiser: "forward"} if split else None)
     times = {name: per_repetition(r, len(work)) for name, r in runs.items()}
     loop_times = {name: per_repetition(r, len(work)) for name, r in outside.items()}
     costs = call_costs.costs()
@@ -238,7 +263,7 @@ def bench_config(pair: ModelPair, num_steps: int, batch: int, samples: int, reps
     base_name = arms[0][0]
     results = []
     for name, method, params in arms:
-        counts, stats = counted[name]
+        counts, stats, _ = counted[name]
         clocks = {}
         for clock in CLOCK_NAMES:
             mine = [t[clock] for t in times[name]]
@@ -247,6 +272,7 @@ def bench_config(pair: ModelPair, num_steps: int, batch: int, samples: int, reps
             predicted = predicted_time(counted[base_name][0], costs[clock]) / pred_time
             speedup = paired_speedup(base, mine)
             loop = [t[clock] for t in loop_times[name]] if split else []
+            sequence = sequence_speedup(times, base_name, name, clock) if replays else None
             clocks[clock] = ClockResult(
                 s_per_sample=statistics.median(mine) / samples, speedup=speedup, predicted_speedup=predicted,
                 efficiency=speedup / predicted, overhead=statistics.median(mine) / pred_time,
@@ -254,6 +280,7 @@ def bench_config(pair: ModelPair, num_steps: int, batch: int, samples: int, reps
                 / counts.iterations,
                 run_efficiency=split_efficiency(loop, mine, [t[clock] for t in loop_times[base_name]], base)
                 if split else None,
+                sequence_predicted=sequence, sequence_efficiency=speedup / sequence if sequence else None,
                 reps_s=mine, reps_loop_s=loop,
             )
         mean = lambda f: sum(f(s) for s in stats) / len(stats)  # noqa: E731
@@ -281,15 +308,18 @@ def print_table(num_steps: int, batch: int, samples: int, reps: int, costs: dict
           f"draft on {batch} rows {ms('draft', batch)}")
     print(f"   rows timed: target {timed['target']}, draft {timed['draft']}; linear in between")
     header = (f"{'method':<13} {'BE':>5} {'tgt':>6} {'draft':>6} {'states':>7} {'ms/sample':>10} {'speedup':>8} "
-              f"{'pred':>6} {'eff':>5} {'ovh':>5} {'run-eff':>7} {'loop/rnd':>8} | {'speedup':>8} {'eff':>5} ({other})")
+              f"{'pred':>6} {'eff':>5} {'ovh':>5} {'run-eff':>7} {'loop/rnd':>8} {'pred-seq':>8} {'eff-seq':>7} | "
+              f"{'speedup':>8} {'eff':>5} ({other})")
     print(header)
     print("-" * len(header))
     for r in results:
         m, o = r.clocks[clock], r.clocks[other]
         run_eff = "-" if m.run_efficiency is None else f"{m.run_efficiency:.2f}"
+        seq = ("-", "-") if m.sequence_predicted is None else (f"{m.sequence_predicted:.2f}", f"{m.sequence_efficiency:.2f}")
         print(f"{r.name:<13} {r.block_efficiency:>5.2f} {r.target_calls:>6.1f} {r.draft_calls:>6.1f} "
               f"{r.states_evaluated:>7.1f} {m.s_per_sample * 1e3:>10.1f} {m.speedup:>8.2f} {m.predicted_speedup:>6.2f} "
-              f"{m.efficiency:>5.2f} {m.overhead:>5.2f} {run_eff:>7} {m.loop_s_per_iteration * 1e3:>8.2f} | "
+              f"{m.efficiency:>5.2f} {m.overhead:>5.2f} {run_eff:>7} {m.loop_s_per_iteration * 1e3:>8.2f} "
+              f"{seq[0]:>8} {seq[1]:>7} | "
               f"{o.speedup:>8.2f} {o.efficiency:>5.2f}", flush=True)
 
 
@@ -301,6 +331,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--batches-large", type=int, default=1, help="number of batches at batch sizes > 1")
     ap.add_argument("--reps", type=int, default=None, help="timed repetitions (default 6, quick 2)")
     ap.add_argument("--quick", action="store_true", help="K=50, fewer samples and repetitions")
+    ap.add_argument("--no-replay", dest="replay", action="store_false",
+                    help="skip the replays of each arm's calls in sequence (pred-seq, eff-seq; about half the time)")
     args = ap.parse_args(argv)
 
     steps = [int(k) for k in (args.steps or ("50" if args.quick else "100")).split(",")]
@@ -314,7 +346,7 @@ def main(argv: list[str] | None = None) -> None:
     for num_steps in steps:
         for batch in [int(b) for b in args.batches.split(",")]:
             samples = samples_b1 if batch == 1 else batch * args.batches_large
-            results, costs = bench_config(pair, num_steps, batch, samples, reps, args.gamma, args.seed)
+            results, costs = bench_config(pair, num_steps, batch, samples, reps, args.gamma, args.seed, args.replay)
             print_table(num_steps, batch, samples, reps, costs, results, clock, args.gamma)
             report["configs"].append({"num_steps": num_steps, "batch": batch, "samples": samples, "reps": reps,
                                       "call_costs_s": costs, "arms": [asdict(r) for r in results]})
@@ -322,7 +354,9 @@ def main(argv: list[str] | None = None) -> None:
     print(f"\n# BE: steps per round; tgt, draft: sequential calls per sample; states: target states per sample; "
           f"speedup: vs target_only, median of paired reps; pred: predicted from the calls, each priced at its "
           f"own shape; eff = speedup / pred; ovh = time / predicted time; run-eff: eff from each run's own split "
-          f"into calls and loop; loop/rnd: ms outside the calls per round (target_only: per step). "
+          f"into calls and loop; loop/rnd: ms outside the calls per round (target_only: per step); pred-seq: "
+          f"predicted from each arm's calls replayed in sequence with nothing between them; eff-seq = speedup / "
+          f"pred-seq. "
           f"Bench took {took:.0f} s." + (f"\n# wrote {args.json}" if args.json else ""))
 
 

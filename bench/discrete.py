@@ -34,21 +34,31 @@ sampling with CFG 1.5) it reports:
   target_only's. It leaves out any difference between a call timed alone and in the loop, and a
   change of load between the cost timings and the runs; what is left is the loop's own work
   (CPU only: on a GPU a call returns before its work is done);
-- ``loop``: the time outside the model calls per target call, in ms (CPU only).
+- ``loop``: the time outside the model calls per target call, in ms (CPU only);
+- ``pred-seq``: the speedup predicted by the calls as the arm makes them: each batch's calls, recorded
+  in the untimed pass with their inputs, made again in the same order with nothing between them
+  (:class:`~bench.pricing.CallRecording`: fresh caches, the cache lengths set back where the loop's
+  commit changed them), timed in turns with the runs; target_only's replay time over the arm's. A call
+  alone, back to back with its own kind, finds its weights in the CPU's caches; in a speculative loop
+  the draft's and the target's calls evict each other's every round, which ``pred`` leaves out and a
+  replay keeps, with no loop work at all;
+- ``eff-seq`` = speedup / pred-seq: what the loop's own work costs, and nothing else.
 
 Both clocks are measured: wall time, and process CPU time, which leaves out the time the process
 waits for a core on a shared machine (valid for single-threaded CPU runs only). The main columns use
 ``--clock`` (auto: cpu on a CPU device, wall on CUDA); the last two columns give the other clock.
 
-    python bench/discrete.py [--quick] [--json out.json] [--device cpu] [--clock auto|wall|cpu]
+    python bench/discrete.py [--quick] [--no-replay] [--json out.json] [--device cpu] [--clock auto|wall|cpu]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import sys
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -59,6 +69,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.pricing import (  # noqa: E402
     CLOCK_NAMES,
+    CallRecording,
     InterleavedTimer,
     add_common_args,
     batches_of,
@@ -68,8 +79,11 @@ from bench.pricing import (  # noqa: E402
     partial_rows_grid,
     per_repetition,
     predicted_time,
+    replay_name,
+    replay_time,
     run_arm,
     run_in_turns,
+    sequence_speedup,
     shape_key,
     split_efficiency,
     start_report,
@@ -77,6 +91,7 @@ from bench.pricing import (  # noqa: E402
 from specray.methods.discrete.eagle_loop import HeadStream, TargetStream  # noqa: E402
 from specray.methods.discrete.loop import GuidedModel, run_batch  # noqa: E402
 from specray.methods.discrete.params import SD  # noqa: E402
+from specray.models import buffer_reuse  # noqa: E402
 from specray.models.discrete_ar import attention_span, load_pair  # noqa: E402
 from specray.models.pair import ModelPair  # noqa: E402
 
@@ -133,6 +148,8 @@ class ClockResult:
     overhead: float  # median time / predicted time of the arm's own calls
     loop_s_per_target_call: float | None  # median time outside the model calls per target call (CPU only)
     run_efficiency: float | None  # efficiency from each run's own split into calls and loop (CPU only)
+    sequence_predicted: float | None  # predicted speedup from the replays of the calls in sequence (--replay)
+    sequence_efficiency: float | None  # speedup / sequence_predicted
     reps_s: list[float] = field(default_factory=list)
     reps_loop_s: list[float] = field(default_factory=list)  # time outside the calls, per repetition (CPU only)
 
@@ -152,9 +169,11 @@ class ArmResult:
 
 
 
-def count_calls(method: str, params: dict[str, Any], pair: ModelPair, work: list, seed: int) -> tuple[CallCounts, list]:
+def count_calls(method: str, params: dict[str, Any], pair: ModelPair, work: list, seed: int,
+                ) -> tuple[CallCounts, list, list[CallRecording]]:
     """Untimed pass with the model calls wrapped (:meth:`GuidedModel.forward`, the head streams'
-    ``probs``): every call counted by its real shape.
+    ``probs``): every call counted by its real shape, and each batch's calls recorded in order
+    (:class:`~bench.pricing.CallRecording`, one per batch of ``work``).
 
     The shape is what the cost of a call depends on: the model, the tokens per row (the first
     draft call of a round feeds 2, verify feeds gamma + 1, padded in a row's short last round) and
@@ -175,12 +194,33 @@ def count_calls(method: str, params: dict[str, Any], pair: ModelPair, work: list
              TargetStream: lambda s: "target_f", HeadStream: lambda s: "head"}
     for cls, name in methods.items():
         setattr(cls, name, counter(cls, roles[cls]))
+    stats, recordings = [], []
     try:
-        _, stats = run_arm(run_batch, method, params, pair, work, seed)
+        for unit in work:
+            with CallRecording(methods, cache_lengths) as recording:
+                stats += run_arm(run_batch, method, params, pair, [unit], seed)[1]
+            recordings.append(recording)
     finally:
         for cls, name in methods.items():
             setattr(cls, name, originals[cls])
-    return CallCounts(dict(sorted(counts.items())), batch=work[0][0].shape[0]), stats
+    return CallCounts(dict(sorted(counts.items())), batch=work[0][0].shape[0]), stats, recordings
+
+
+def cache_lengths(stream: Any) -> torch.Tensor:
+    """What a model call's cost depends on besides its arguments: its stream's cache lengths."""
+    return stream.cache.lengths
+
+
+def replay_batch(recording: CallRecording, device: torch.device) -> dict[str, float]:
+    """Time one batch's calls made again in sequence, with nothing between them (both clocks), in the
+    context a run makes its calls in (:func:`~specray.methods.discrete.loop.generate_tokens`)."""
+    return replay_time(recording, device, calls_context)
+
+
+@contextlib.contextmanager
+def calls_context() -> Iterator[None]:
+    with torch.inference_mode(), buffer_reuse.reusing():
+        yield
 
 
 def shapes_to_time(counts: list[CallCounts], batch: int) -> list[str]:
@@ -259,7 +299,7 @@ def cost_timer(pairs: dict[str, ModelPair], batch: int, gamma: int, shapes: list
 
 
 def bench_batch(pairs: dict[str, ModelPair], batch: int, samples: int, reps: int, gamma: int, seed: int,
-                cost_timings: int) -> tuple[list[ArmResult], dict[str, dict[str, float]]]:
+                cost_timings: int, replay: bool = True) -> tuple[list[ArmResult], dict[str, dict[str, float]]]:
     work = batches_of(samples, batch)
     chain = {} if gamma is None else {"gamma": gamma}
     arms = [(name, method, {**params, **({} if method == "target_only" or "tree" in params else chain)}, pairs[draft])
@@ -269,15 +309,24 @@ def bench_batch(pairs: dict[str, ModelPair], batch: int, samples: int, reps: int
         run_arm(run_batch, method, params, pair, work[:1], seed)
     counted = {name: count_calls(method, params, pair, work, seed) for name, method, params, pair in arms}
 
-    shapes = shapes_to_time([c for c, _ in counted.values()], batch)
+    shapes = shapes_to_time([c for c, _, _ in counted.values()], batch)
     timer = cost_timer(pairs, batch, gamma, shapes)
-    turns = reps * len(work) * len(arms)
-    per_turn = max(1, -(-cost_timings * len(shapes) // turns))  # each shape timed about cost_timings times
     split = pairs[DRAFT].device.type == "cpu"
     by_name = {name: (method, params, pair) for name, method, params, pair in arms}
-    runs, outside = run_in_turns(
-        list(by_name), work, reps, lambda name, unit: run_arm(run_batch, *by_name[name], [unit], seed)[0],
-        lambda: timer.step(per_turn), MODEL_CALLS if split else None)
+    # Each arm's calls replayed in sequence take turns with the runs, as one more "arm" each.
+    replays = {replay_name(name): name for name in by_name} if replay else {}
+    unit_index = {id(unit): i for i, unit in enumerate(work)}
+    device = pairs[DRAFT].device
+
+    def run(name: str, unit: Any) -> dict[str, float]:
+        if name in replays:
+            return replay_batch(counted[replays[name]][2][unit_index[id(unit)]], device)
+        return run_arm(run_batch, *by_name[name], [unit], seed)[0]
+
+    turns = reps * len(work) * (len(arms) + len(replays))
+    per_turn = max(1, -(-cost_timings * len(shapes) // turns))  # each shape timed about cost_timings times
+    runs, outside = run_in_turns([*by_name, *replays], work, reps, run, lambda: timer.step(per_turn),
+                                 MODEL_CALLS if split else None)
     times = {name: per_repetition(r, len(work)) for name, r in runs.items()}
     loop_times = {name: per_repetition(r, len(work)) for name, r in outside.items()}
     costs = {clock: {key: s / SPREAD for key, s in by_key.items()} for clock, by_key in timer.costs().items()}
@@ -285,7 +334,7 @@ def bench_batch(pairs: dict[str, ModelPair], batch: int, samples: int, reps: int
     base_name = arms[0][0]
     results = []
     for name, method, params, _ in arms:
-        counts, stats = counted[name]
+        counts, stats, _ = counted[name]
         drafted = sum(s.num_draft_tokens for s in stats)
         accepted = sum(s.num_accepted_draft_tokens for s in stats)
         clocks = {}
@@ -297,12 +346,14 @@ def bench_batch(pairs: dict[str, ModelPair], batch: int, samples: int, reps: int
             predicted = predicted_time(counted[base_name][0].shapes, costs[clock], batch) / pred_time
             loop = [t[clock] for t in loop_times[name]] if split else []
             target_calls = counts.total("target") + counts.total("target_f")
+            sequence = sequence_speedup(times, base_name, name, clock) if replays else None
             clocks[clock] = ClockResult(
                 s_per_sample=statistics.median(mine) / samples, speedup=speedup, predicted_speedup=predicted,
                 efficiency=speedup / predicted, overhead=statistics.median(mine) / pred_time,
                 loop_s_per_target_call=statistics.median(loop) / target_calls if split else None,
                 run_efficiency=split_efficiency(loop, mine, [t[clock] for t in loop_times[base_name]], base)
                 if split else None,
+                sequence_predicted=sequence, sequence_efficiency=speedup / sequence if sequence else None,
                 reps_s=mine, reps_loop_s=loop,
             )
         results.append(ArmResult(
@@ -336,7 +387,7 @@ def print_table(batch: int, samples: int, reps: int, costs: dict[str, dict[str, 
         print(f"   calls on fewer rows (tail rounds) timed at rows {grid}, linear in between; e.g. at 1 row: "
               f"verify {ms('target', gamma + 1, 1)}, draft {ms('draft', 1, 1)}, draft 2 tokens {ms('draft', 2, 1)}")
     header = (f"{'method':<17} {'len':>5} {'alpha':>6} {'tgt':>5} {'draft':>6} {'d2':>5} {'part':>5} {'ms/sample':>10} "
-              f"{'speedup':>8} {'pred':>6} {'eff':>5} {'ovh':>5} {'run-eff':>7} {'loop':>6} | "
+              f"{'speedup':>8} {'pred':>6} {'eff':>5} {'ovh':>5} {'run-eff':>7} {'loop':>6} {'pred-seq':>8} {'eff-seq':>7} | "
               f"{'speedup':>8} {'eff':>5} ({other})")
     print(header)
     print("-" * len(header))
@@ -353,7 +404,8 @@ def print_table(batch: int, samples: int, reps: int, costs: dict[str, dict[str, 
         print(f"{r.name:<17} {r.mean_acceptance_length:>5.2f} {alpha:>6} {tgt:>5.1f} {draft:>6.1f} {two:>5.1f} "
               f"{partial:>5.2f} {m.s_per_sample * 1e3:>10.2f} {m.speedup:>8.2f} {m.predicted_speedup:>6.2f} "
               f"{m.efficiency:>5.2f} {m.overhead:>5.2f} {_opt(m.run_efficiency, '7.2f')} "
-              f"{_opt(m.loop_s_per_target_call and m.loop_s_per_target_call * 1e3, '6.2f')} | "
+              f"{_opt(m.loop_s_per_target_call and m.loop_s_per_target_call * 1e3, '6.2f')} "
+              f"{_opt(m.sequence_predicted, '8.2f')} {_opt(m.sequence_efficiency, '7.2f')} | "
               f"{o.speedup:>8.2f} {o.efficiency:>5.2f}", flush=True)
 
 
@@ -370,6 +422,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--reps", type=int, default=None, help="timed repetitions (default 7, quick 3)")
     ap.add_argument("--cost-timings", type=int, default=None, help="timings per call shape (default 24, quick 8)")
     ap.add_argument("--quick", action="store_true", help="fewer samples and repetitions")
+    ap.add_argument("--no-replay", dest="replay", action="store_false",
+                    help="skip the replays of each arm's calls in sequence (pred-seq, eff-seq; about half the time)")
     args = ap.parse_args(argv)
 
     samples_b1 = args.samples_b1 or (4 if args.quick else 12)
@@ -382,7 +436,7 @@ def main(argv: list[str] | None = None) -> None:
           f"({torch.get_num_threads()} thread(s), torch {torch.__version__}), gamma={args.gamma}, seed={args.seed}")
     for batch in [int(b) for b in args.batches.split(",")]:
         samples = samples_b1 if batch == 1 else batch * batches_large
-        results, costs = bench_batch(pairs, batch, samples, reps, args.gamma, args.seed, cost_timings)
+        results, costs = bench_batch(pairs, batch, samples, reps, args.gamma, args.seed, cost_timings, args.replay)
         print_table(batch, samples, reps, costs, results, clock, args.gamma)
         report["batches"].append({"batch": batch, "samples": samples, "reps": reps, "call_costs_s": costs,
                                   "arms": [asdict(r) for r in results]})
@@ -391,7 +445,9 @@ def main(argv: list[str] | None = None) -> None:
           f"batch-level calls per batch; d2: 2-token draft calls per batch; part: share of calls on fewer rows "
           f"than the batch; speedup: vs target_only, median of paired reps; pred: predicted "
           f"from the calls, each priced at its own shape; eff = speedup / pred; ovh = time / predicted time; "
-          f"run-eff: eff from each run's own split into calls and loop; loop: ms outside the calls per target call. "
+          f"run-eff: eff from each run's own split into calls and loop; loop: ms outside the calls per target call; "
+          f"pred-seq: predicted from each arm's calls replayed in sequence with nothing between them; "
+          f"eff-seq = speedup / pred-seq. "
           f"Bench took {took:.0f} s." + (f"\n# wrote {args.json}" if args.json else ""))
 
 

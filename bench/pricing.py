@@ -171,6 +171,110 @@ class TimeInCalls:
             setattr(cls, name, self.originals[cls])
 
 
+class CallRecording:
+    """The model calls ``{class: method name}`` one run makes, in order, to make again with nothing between
+    them (:meth:`replay`): the time of a loop whose own work costs nothing, with every call made in the
+    sequence, on the inputs and at the cache lengths the run made it.
+
+    A call's cost depends on what ran before it (on a CPU the weights and caches another model's call
+    evicted, which a speculative loop's draft and verify calls do to each other every round), not only on
+    its shape; a replay keeps that and leaves out the loop's work. The objects of those classes made in the
+    block are recorded by their constructor's arguments and made anew by each replay (their caches
+    included); objects made before it (a stateless model) are called as they are. ``state(obj)`` is the
+    tensor a call's cost depends on besides its arguments (a cache's lengths; None: nothing), set back
+    before a call where the run's loop changed it since the object's previous call (a commit's crop; one
+    copy, where the run made one or more ops).
+    """
+
+    def __init__(self, methods: dict[type, str], state: Callable[[Any], torch.Tensor] | None = None) -> None:
+        self.methods, self.state = methods, state
+        # per object: (class, args, kwargs) if made in the block (in order of construction), else the object
+        self.objects: list[Any] = []
+        self.calls: list[tuple[int, str, tuple, dict, torch.Tensor | None]] = []  # (object, method, args, kwargs, state)
+
+    def __enter__(self) -> CallRecording:
+        index: dict[int, int] = {}  # id(object) -> its place in self.objects (the objects live through the block)
+        last: dict[int, torch.Tensor] = {}  # id(object) -> its state after its last call
+        state = self.state or (lambda obj: torch.zeros(0))
+        # the class's own attributes (None: inherited), put back as they were on exit
+        self.originals = {cls: (vars(cls).get("__init__"), vars(cls).get(name)) for cls, name in self.methods.items()}
+
+        def seen(obj: Any, made: Any) -> None:
+            index[id(obj)] = len(self.objects)
+            self.objects.append(made)
+            last[id(obj)] = state(obj).clone()
+
+        def constructor(cls: type, init: Callable[..., None]) -> Callable[..., None]:
+            def recorded(obj: Any, *args: Any, **kwargs: Any) -> None:
+                init(obj, *args, **kwargs)
+                if type(obj) is cls:
+                    seen(obj, (cls, args, kwargs))
+            return recorded
+
+        def method(name: str, call: Callable[..., Any]) -> Callable[..., Any]:
+            def recorded(obj: Any, *args: Any, **kwargs: Any) -> Any:
+                if id(obj) not in index:  # made before the block: replayed on the object itself
+                    seen(obj, obj)
+                now = state(obj)
+                changed = not torch.equal(now, last[id(obj)])
+                self.calls.append((index[id(obj)], name, _copied(args), _copied(kwargs), now.clone() if changed else None))
+                out = call(obj, *args, **kwargs)
+                last[id(obj)] = state(obj).clone()
+                return out
+            return recorded
+
+        for cls, name in self.methods.items():
+            cls.__init__ = constructor(cls, cls.__init__)
+            setattr(cls, name, method(name, getattr(cls, name)))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for cls, name in self.methods.items():
+            for attr, original in zip(("__init__", name), self.originals[cls]):
+                if original is None:
+                    delattr(cls, attr)
+                else:
+                    setattr(cls, attr, original)
+
+    def replay(self) -> None:
+        """Make the objects anew and the calls again, in order (through the classes' methods as they are now)."""
+        objects = [made[0](*made[1], **made[2]) if isinstance(made, tuple) else made for made in self.objects]
+        for i, name, args, kwargs, state in self.calls:
+            obj = objects[i]
+            if state is not None:
+                self.state(obj).copy_(state)
+            getattr(obj, name)(*args, **kwargs)
+
+
+def replay_name(arm: str) -> str:
+    """The name an arm's replays take turns under (:func:`run_in_turns`)."""
+    return f"{arm} replay"
+
+
+def replay_time(recording: CallRecording, device: torch.device,
+                context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext) -> dict[str, float]:
+    """Time one batch's recorded calls made again (both clocks), inside ``context()``: the context the
+    family's loop makes its calls in."""
+    sync(device)
+    start = stamp()
+    with context():
+        recording.replay()
+    sync(device)
+    return since(start)
+
+
+def sequence_speedup(times: dict[str, list[dict[str, float]]], base: str, arm: str, clock: str) -> float:
+    """``pred-seq``: the median over repetitions of ``base``'s replay time over ``arm``'s (per-repetition times)."""
+    return paired_speedup([t[clock] for t in times[replay_name(base)]], [t[clock] for t in times[replay_name(arm)]])
+
+
+def _copied(values: Any) -> Any:
+    """Tensors in a call's arguments cloned (the loop may write to them after the call), the rest as is."""
+    if isinstance(values, dict):
+        return {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in values.items()}
+    return tuple(v.clone() if isinstance(v, torch.Tensor) else v for v in values)
+
+
 def split_efficiency(loop: list[float], total: list[float], base_loop: list[float], base_total: list[float]) -> float:
     """Efficiency from each run's own split into calls and loop: the median share of an arm's time
     spent in its calls over target_only's. With the calls priced at what they took in the runs

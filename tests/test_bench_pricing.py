@@ -3,16 +3,20 @@ costs, turns and splits are put together."""
 
 from __future__ import annotations
 
+import contextlib
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import pricing  # noqa: E402
 from bench.pricing import (  # noqa: E402
     TimeInCalls,
+    batches_of,
     per_repetition,
     run_in_turns,
     shape_cost,
@@ -67,3 +71,106 @@ def test_split_efficiency_is_the_share_of_time_in_calls_relative_to_the_base():
     # base: 10 s of which 1 s loop (90 % in calls); arm: 5 s of which 1 s loop (80 % in calls)
     assert split_efficiency([1.0, 1.0], [5.0, 5.0], [1.0, 1.0], [10.0, 10.0]) == pytest.approx(0.8 / 0.9)
     assert split_efficiency([0.5], [5.0], [1.0], [10.0]) == pytest.approx(1.0)  # the same loop share: 1
+
+
+class _Lengths:
+    def __init__(self, rows: int) -> None:
+        self.lengths = torch.zeros(rows, dtype=torch.int64)
+
+
+class _Base:
+    def __init__(self, name: str, rows: int) -> None:
+        self.name, self.cache = name, _Lengths(rows)
+
+
+class _Stream(_Base):  # inherits its constructor: CallRecording must put back exactly what was there
+    log: list = []
+
+    def call(self, x: torch.Tensor, *, scale: int) -> torch.Tensor:
+        _Stream.log.append((self.name, x.tolist(), scale, self.cache.lengths.tolist()))
+        self.cache.lengths += x.shape[-1]  # a call moves its own state on, as a model call its cache
+        return x * scale
+
+
+def _lengths(stream: _Stream) -> torch.Tensor:
+    return stream.cache.lengths
+
+
+def test_a_recording_replays_the_calls_in_order_on_their_inputs_and_states():
+    _Stream.log = []
+    call = vars(_Stream)["call"]
+    with pricing.CallRecording({_Stream: "call"}, _lengths) as recording:
+        a, b = _Stream("a", 2), _Stream("b", 2)
+        x = torch.tensor([[1, 2], [3, 4]])
+        a.call(x, scale=2)
+        x += 10  # the loop writes to an input after the call: the replay must see what the call saw
+        b.call(x[:, :1], scale=3)
+        a.cache.lengths[0] = 1  # a commit's crop between two calls of a: set back before a's next call
+        a.call(x, scale=1)
+        b.call(x, scale=1)  # b's state is as b's last call left it: nothing to set back
+    run = _Stream.log
+    assert "__init__" not in vars(_Stream) and vars(_Stream)["call"] is call  # the class as it was
+    assert [c[4] is not None for c in recording.calls] == [False, False, True, False]
+
+    _Stream.log = []
+    recording.replay()
+    assert _Stream.log == run == [
+        ("a", [[1, 2], [3, 4]], 2, [0, 0]), ("b", [[11], [13]], 3, [0, 0]),
+        ("a", [[11, 12], [13, 14]], 1, [1, 2]), ("b", [[11, 12], [13, 14]], 1, [1, 1]),
+    ]
+    _Stream.log = []
+    recording.replay()  # fresh objects each time: the same calls again
+    assert _Stream.log == run
+
+
+@contextlib.contextmanager
+def _outputs_of(cls: type) -> Iterator[list[torch.Tensor]]:
+    """Every output of ``cls.forward`` within the block, in order."""
+    outputs: list[torch.Tensor] = []
+    forward = cls.forward
+
+    def logged(self, *args, **kwargs):
+        outputs.append(out := forward(self, *args, **kwargs))
+        return out
+
+    cls.forward = logged
+    try:
+        yield outputs
+    finally:
+        cls.forward = forward
+
+
+def test_replaying_a_speculative_batch_remakes_its_model_calls_bit_for_bit():
+    # The digits pair's sd chain at batch 2: every GuidedModel.forward of the replay gives the very
+    # distributions of the run's call (same inputs, same caches), so the replay makes the run's calls.
+    from bench import discrete as discrete_bench
+    from specray.methods.discrete.loop import GuidedModel
+    from specray.models.discrete_ar import load_pair
+
+    pair = load_pair(discrete_bench.TARGET, discrete_bench.DRAFT, "cpu")
+    with _outputs_of(GuidedModel) as outputs:
+        counts, _, recordings = discrete_bench.count_calls("sd", {"gamma": 4}, pair, batches_of(2, 2), seed=3)
+        run = outputs[:]
+        outputs.clear()
+        discrete_bench.replay_batch(recordings[0], pair.device)
+    assert sum(counts.shapes.values()) == len(run) == len(outputs) > 2 * 64 / 5
+    assert all(torch.equal(r, o) for r, o in zip(run, outputs))
+    assert sum(c[4] is not None for c in recordings[0].calls) > 0  # the commits' crops were set back
+
+
+def test_replaying_a_diffusion_batch_remakes_its_denoiser_calls():
+    # spec_block with the Frozen drafter, K = 12, batch 2: the UNet keeps no state, so the replay calls
+    # the pair's own Denoisers on the recorded inputs and gets the run's outputs.
+    from bench import diffusion as diffusion_bench
+    from specray.models.diffusion import Denoiser, load_pair
+
+    pair = load_pair(diffusion_bench.TARGET, diffusion_bench.DRAFT, "cpu")
+    params = diffusion_bench.arm_params("spec_block", "frozen", num_steps=12, gamma=3)
+    with _outputs_of(Denoiser) as outputs:
+        counts, _, recordings = diffusion_bench.count_calls("spec_block", params, pair, batches_of(2, 2), seed=5)
+        run = outputs[:]
+        outputs.clear()
+        pricing.replay_time(recordings[0], pair.device)
+    assert sum(counts.shapes.values()) == len(run) == len(outputs) >= 12 / 4
+    assert all(torch.equal(r, o) for r, o in zip(run, outputs))
+    assert recordings[0].objects == [pair.target]  # made before the recording: called as it is
