@@ -202,9 +202,9 @@ def _chain(method: Method, params: Speculative, pair: ModelPair, labels: torch.T
         span = attention_span(rnd.positions, target.cache.max_len)  # the cache's slots: max_len rounded up on a CPU
         q, predicted = _catch_up(head, target, rnd.idx, rnd.n, rnd.tokens, gamma + 1, span)
         # Per-step columns split off once, the laws and drafts stacked once (fewer ops than indexing).
-        later_positions = rnd.positions[:, 1:gamma].split(1, dim=1)
+        later_positions = rnd.positions[:, 1:gamma, None].unbind(1)  # [r, 1] columns, one op (split costs more)
         qs, ds = [], []
-        for i, u_draft in enumerate(u[:, :, 0].split(1, dim=1)):
+        for i, u_draft in enumerate(u[:, :, 0:1].unbind(1)):
             if i:
                 positions = later_positions[i - 1]
                 q, out = head.probs(rnd.idx, predicted[:, None], ds[-1], positions, positions,
