@@ -32,8 +32,9 @@ spec_block (residual sampler) with the frozen, free and model drafters at gamma 
   iterations are its slowest row's rounds;
 - ``pred-seq``: the speedup predicted by each batch's calls, recorded with their inputs in the
   untimed pass, made again in the same order with nothing between them and timed in turns with the
-  runs (:class:`~bench.pricing.CallRecording`); ``eff-seq`` = speedup / pred-seq: the cost of the
-  loop's own work alone (``--no-replay`` skips the replays).
+  runs (:class:`~bench.pricing.CallRecording`); ``eff-seq``: the median share of an arm's time its
+  replay takes (replay time / run time per repetition, the two run next to each other) over
+  target_only's, the cost of the loop's own work alone (``--no-replay`` skips the replays).
 
 Both clocks are measured: wall time, and process CPU time, which leaves out the time the process
 waits for a core on a shared machine (valid for single-threaded CPU runs only). The main columns use
@@ -70,10 +71,12 @@ from bench.pricing import (  # noqa: E402
     replay_time,
     run_arm,
     run_in_turns,
+    sequence_efficiency,
     sequence_speedup,
     shape_key,
     split_efficiency,
     start_report,
+    with_replays,
 )
 from specray.methods.diffusion.loop import run_batch  # noqa: E402
 from specray.models.diffusion import Denoiser, load_pair  # noqa: E402
@@ -208,7 +211,7 @@ class ClockResult:
     loop_s_per_iteration: float  # median time outside the calls (in-run split; else time - predicted time) / iterations
     run_efficiency: float | None  # efficiency with each run's own time in calls for the predicted (CPU only)
     sequence_predicted: float | None  # predicted speedup from the replays of the calls in sequence (--replay)
-    sequence_efficiency: float | None  # speedup / sequence_predicted
+    sequence_efficiency: float | None  # the replays' share of the runs' time over target_only's
     reps_s: list[float] = field(default_factory=list)
     reps_loop_s: list[float] = field(default_factory=list)  # time outside the calls, per repetition (CPU only)
 
@@ -254,7 +257,8 @@ def bench_config(pair: ModelPair, num_steps: int, batch: int, samples: int, reps
             return replay_time(counted[replays[name]][2][unit_index[id(unit)]], pair.device)
         return run_arm(run_batch, *by_name[name], pair, [unit], seed)[0]
 
-    runs, outside = run_in_turns([*by_name, *replays], work, reps, run, lambda: call_costs.step(len(call_costs.calls)),
+    names = with_replays(list(by_name)) if replay else list(by_name)
+    runs, outside = run_in_turns(names, work, reps, run, lambda: call_costs.step(len(call_costs.calls)),
                                  {Denoiser: "forward"} if split else None)
     times = {name: per_repetition(r, len(work)) for name, r in runs.items()}
     loop_times = {name: per_repetition(r, len(work)) for name, r in outside.items()}
@@ -280,7 +284,8 @@ def bench_config(pair: ModelPair, num_steps: int, batch: int, samples: int, reps
                 / counts.iterations,
                 run_efficiency=split_efficiency(loop, mine, [t[clock] for t in loop_times[base_name]], base)
                 if split else None,
-                sequence_predicted=sequence, sequence_efficiency=speedup / sequence if sequence else None,
+                sequence_predicted=sequence,
+                sequence_efficiency=sequence_efficiency(times, base_name, name, clock) if replays else None,
                 reps_s=mine, reps_loop_s=loop,
             )
         mean = lambda f: sum(f(s) for s in stats) / len(stats)  # noqa: E731
@@ -355,8 +360,8 @@ def main(argv: list[str] | None = None) -> None:
           f"speedup: vs target_only, median of paired reps; pred: predicted from the calls, each priced at its "
           f"own shape; eff = speedup / pred; ovh = time / predicted time; run-eff: eff from each run's own split "
           f"into calls and loop; loop/rnd: ms outside the calls per round (target_only: per step); pred-seq: "
-          f"predicted from each arm's calls replayed in sequence with nothing between them; eff-seq = speedup / "
-          f"pred-seq. "
+          f"predicted from each arm's calls replayed in sequence with nothing between them; eff-seq: the replays' "
+          f"share of the runs' time over target_only's. "
           f"Bench took {took:.0f} s." + (f"\n# wrote {args.json}" if args.json else ""))
 
 

@@ -42,7 +42,10 @@ sampling with CFG 1.5) it reports:
   alone, back to back with its own kind, finds its weights in the CPU's caches; in a speculative loop
   the draft's and the target's calls evict each other's every round, which ``pred`` leaves out and a
   replay keeps, with no loop work at all;
-- ``eff-seq`` = speedup / pred-seq: what the loop's own work costs, and nothing else.
+- ``eff-seq``: the efficiency by the replays, what the loop's own work costs and nothing else: the
+  median share of an arm's time its replay takes (replay time / run time, repetition by repetition;
+  an arm and its replay run next to each other in every turn) over target_only's. Like speedup /
+  pred-seq, with each ratio taken between neighbours in time, so the machine's drift cancels.
 
 Both clocks are measured: wall time, and process CPU time, which leaves out the time the process
 waits for a core on a shared machine (valid for single-threaded CPU runs only). The main columns use
@@ -83,10 +86,12 @@ from bench.pricing import (  # noqa: E402
     replay_time,
     run_arm,
     run_in_turns,
+    sequence_efficiency,
     sequence_speedup,
     shape_key,
     split_efficiency,
     start_report,
+    with_replays,
 )
 from specray.methods.discrete.eagle_loop import HeadStream, TargetStream  # noqa: E402
 from specray.methods.discrete.loop import GuidedModel, run_batch  # noqa: E402
@@ -149,7 +154,7 @@ class ClockResult:
     loop_s_per_target_call: float | None  # median time outside the model calls per target call (CPU only)
     run_efficiency: float | None  # efficiency from each run's own split into calls and loop (CPU only)
     sequence_predicted: float | None  # predicted speedup from the replays of the calls in sequence (--replay)
-    sequence_efficiency: float | None  # speedup / sequence_predicted
+    sequence_efficiency: float | None  # the replays' share of the runs' time over target_only's
     reps_s: list[float] = field(default_factory=list)
     reps_loop_s: list[float] = field(default_factory=list)  # time outside the calls, per repetition (CPU only)
 
@@ -325,8 +330,8 @@ def bench_batch(pairs: dict[str, ModelPair], batch: int, samples: int, reps: int
 
     turns = reps * len(work) * (len(arms) + len(replays))
     per_turn = max(1, -(-cost_timings * len(shapes) // turns))  # each shape timed about cost_timings times
-    runs, outside = run_in_turns([*by_name, *replays], work, reps, run, lambda: timer.step(per_turn),
-                                 MODEL_CALLS if split else None)
+    names = with_replays(list(by_name)) if replay else list(by_name)
+    runs, outside = run_in_turns(names, work, reps, run, lambda: timer.step(per_turn), MODEL_CALLS if split else None)
     times = {name: per_repetition(r, len(work)) for name, r in runs.items()}
     loop_times = {name: per_repetition(r, len(work)) for name, r in outside.items()}
     costs = {clock: {key: s / SPREAD for key, s in by_key.items()} for clock, by_key in timer.costs().items()}
@@ -353,7 +358,8 @@ def bench_batch(pairs: dict[str, ModelPair], batch: int, samples: int, reps: int
                 loop_s_per_target_call=statistics.median(loop) / target_calls if split else None,
                 run_efficiency=split_efficiency(loop, mine, [t[clock] for t in loop_times[base_name]], base)
                 if split else None,
-                sequence_predicted=sequence, sequence_efficiency=speedup / sequence if sequence else None,
+                sequence_predicted=sequence,
+                sequence_efficiency=sequence_efficiency(times, base_name, name, clock) if replays else None,
                 reps_s=mine, reps_loop_s=loop,
             )
         results.append(ArmResult(
@@ -447,7 +453,7 @@ def main(argv: list[str] | None = None) -> None:
           f"from the calls, each priced at its own shape; eff = speedup / pred; ovh = time / predicted time; "
           f"run-eff: eff from each run's own split into calls and loop; loop: ms outside the calls per target call; "
           f"pred-seq: predicted from each arm's calls replayed in sequence with nothing between them; "
-          f"eff-seq = speedup / pred-seq. "
+          f"eff-seq: the replays' share of the runs' time over target_only's. "
           f"Bench took {took:.0f} s." + (f"\n# wrote {args.json}" if args.json else ""))
 
 

@@ -263,9 +263,24 @@ def replay_time(recording: CallRecording, device: torch.device,
     return since(start)
 
 
+def with_replays(arms: list[str]) -> list[str]:
+    """The names taking turns: each arm followed by its replay, so that the two run one after the other
+    in every turn (:func:`run_in_turns` rotates the order, keeping neighbours together but at the wrap)."""
+    return [name for arm in arms for name in (arm, replay_name(arm))]
+
+
 def sequence_speedup(times: dict[str, list[dict[str, float]]], base: str, arm: str, clock: str) -> float:
     """``pred-seq``: the median over repetitions of ``base``'s replay time over ``arm``'s (per-repetition times)."""
     return paired_speedup([t[clock] for t in times[replay_name(base)]], [t[clock] for t in times[replay_name(arm)]])
+
+
+def sequence_efficiency(times: dict[str, list[dict[str, float]]], base: str, arm: str, clock: str) -> float:
+    """``eff-seq``: the median share of an arm's time its calls take made in sequence (its replay's time over its
+    run's, repetition by repetition: the two ran next to each other) over ``base``'s. As speedup / pred-seq, but
+    each ratio taken between neighbours in time, so the machine's drift between turns cancels."""
+    def share(name: str) -> float:
+        return statistics.median(r[clock] / t[clock] for r, t in zip(times[replay_name(name)], times[name]))
+    return share(arm) / share(base)
 
 
 def _copied(values: Any) -> Any:

@@ -73,6 +73,24 @@ def test_split_efficiency_is_the_share_of_time_in_calls_relative_to_the_base():
     assert split_efficiency([0.5], [5.0], [1.0], [10.0]) == pytest.approx(1.0)  # the same loop share: 1
 
 
+def test_each_arm_and_its_replay_are_neighbours_and_eff_seq_is_the_ratio_of_their_shares():
+    names = pricing.with_replays(["base", "arm"])
+    assert names == ["base", "base replay", "arm", "arm replay"]
+    order: list[str] = []
+    run_in_turns(names, work=[0], reps=3, run=lambda name, unit: order.append(name) or {"wall": 1.0, "cpu": 1.0},
+                 between=lambda: None)
+    for turn in range(3):  # the rotation keeps an arm next to its replay but at the wrap
+        got = order[4 * turn : 4 * turn + 4]
+        assert any(got[i : i + 2] == [a, f"{a} replay"] for a in ("base", "arm") for i in range(3))
+    # base: replays take 0.9 of its runs; arm: 0.6, 0.8 and 0.7 (median 0.7); a slow third repetition
+    # (everything twice as long) moves neither share
+    runs = {"base": [10.0, 10.0, 20.0], "base replay": [9.0, 9.0, 18.0],
+            "arm": [5.0, 5.0, 10.0], "arm replay": [3.0, 4.0, 7.0]}
+    times = {name: [{"cpu": t} for t in ts] for name, ts in runs.items()}
+    assert pricing.sequence_efficiency(times, "base", "arm", "cpu") == pytest.approx(0.7 / 0.9)
+    assert pricing.sequence_speedup(times, "base", "arm", "cpu") == pytest.approx(18 / 7)  # median of 3, 2.25, 18/7
+
+
 class _Lengths:
     def __init__(self, rows: int) -> None:
         self.lengths = torch.zeros(rows, dtype=torch.int64)
