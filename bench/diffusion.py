@@ -210,7 +210,7 @@ class ClockResult:
     overhead: float  # median time / predicted time of the arm's own calls
     loop_s_per_iteration: float  # median time outside the calls (in-run split; else time - predicted time) / iterations
     run_efficiency: float | None  # efficiency with each run's own time in calls for the predicted (CPU only)
-    sequence_predicted: float | None  # predicted speedup from the replays of the calls in sequence (--replay)
+    sequence_predicted: float | None  # predicted speedup from the replays of the calls in sequence (None: --no-replay)
     sequence_efficiency: float | None  # the replays' share of the runs' time over target_only's
     reps_s: list[float] = field(default_factory=list)
     reps_loop_s: list[float] = field(default_factory=list)  # time outside the calls, per repetition (CPU only)
