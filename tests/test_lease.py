@@ -41,6 +41,14 @@ def _slow_job(out: Path) -> dict:
     return families.job(families.FAULTY, out, arms, actors=1)
 
 
+def _lease_record(out: Path) -> dict | None:
+    """The lease's record, or None while the file is missing or not yet written."""
+    try:
+        return json.loads((out / LEASE_NAME).read_text())
+    except (FileNotFoundError, ValueError):
+        return None
+
+
 def test_two_concurrent_runs_one_refuses_the_other_completes(ray_faulty, tmp_path):
     from specray.cli import specray
     from specray.runtime.coordinator import run_job
@@ -57,11 +65,11 @@ def test_two_concurrent_runs_one_refuses_the_other_completes(ray_faulty, tmp_pat
 
     thread = threading.Thread(target=first_run)
     thread.start()
+    # The driver creates and locks the lease file, then writes its record: wait for the record, not the file.
     deadline = time.monotonic() + 120
-    while not (out / LEASE_NAME).exists() and time.monotonic() < deadline and thread.is_alive():
+    while (holder := _lease_record(out)) is None and time.monotonic() < deadline and thread.is_alive():
         time.sleep(0.02)
-    assert (out / LEASE_NAME).exists(), first
-    holder = json.loads((out / LEASE_NAME).read_text())
+    assert holder is not None, first
 
     # The second run of the same job into the same output: refused, naming the holder.
     began = time.monotonic()
