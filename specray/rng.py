@@ -81,9 +81,10 @@ def _as_long(x: TensorLike, device: torch.device | str | None) -> torch.Tensor:
     return torch.as_tensor(x, dtype=torch.int64, device=device)
 
 
-def stream_hash(seed: int, sample_ids: TensorLike, stream: str | int,
+def stream_hash(seed: int, sample_ids: TensorLike, stream: str | int | torch.Tensor,
                 device: torch.device | str | None = None) -> torch.Tensor:
-    """The hash of a key's first fields (seed, sample_id, stream), shaped like ``sample_ids``.
+    """The hash of a key's first fields (seed, sample_id, stream), shaped like ``sample_ids`` (broadcast
+    against ``stream`` where that is a tensor of stream ids, :func:`stream_id`'s).
 
     A loop that draws from one stream many times hashes these once; :func:`extend_hash` adds
     ``position`` and ``step``, :func:`bits_at` (and :func:`uniform_at`, :func:`normal_at`) expands
@@ -92,7 +93,7 @@ def stream_hash(seed: int, sample_ids: TensorLike, stream: str | int,
     if device is None and isinstance(sample_ids, torch.Tensor):
         device = sample_ids.device
     h = _mix(_mix_int(int(seed) & 0x7FFFFFFFFFFFFFFF) ^ _as_long(sample_ids, device))
-    return _mix(h ^ stream_id(stream))
+    return _mix(h ^ (stream if isinstance(stream, torch.Tensor) else stream_id(stream)))
 
 
 def extend_hash(h: torch.Tensor, position: TensorLike = 0, step: TensorLike = 0) -> torch.Tensor:
@@ -187,20 +188,22 @@ def uniform_streams(
     streams: Sequence[str | int],
     position: TensorLike = 0,
     step: TensorLike = 0,
+    shape: Sequence[int] = (),
     device: torch.device | str | None = None,
 ) -> torch.Tensor:
-    """:func:`uniform` of each of ``streams`` at the same keys, stacked on a last dimension: shape ``S + (len(streams),)``.
+    """:func:`uniform` of each of ``streams`` at the same keys, stacked on a dimension after the keys' batch
+    shape ``S``: shape ``S + (len(streams),) + shape``.
 
-    The same values as ``torch.stack([uniform(seed, sample_ids, s, position, step) for s in streams], -1)``
-    (the hash is elementwise, so the stream enters as one more broadcast field), in one pass of the
-    hash's operations instead of one per stream: a loop's uniforms cost those operations' dispatch.
+    The same values as ``torch.stack([uniform(seed, sample_ids, s, position, step, shape) for s in streams],
+    len(S))`` (the hash is elementwise, so the stream enters as one more broadcast field), in one pass of the
+    hash's operations instead of one per stream: a loop's uniforms cost those operations' dispatch. Element 0
+    of a ``shape`` is keyed as a draw without one (index 0).
     """
     if device is None and isinstance(sample_ids, torch.Tensor):
         device = sample_ids.device
     ids = torch.tensor([stream_id(s) for s in streams], dtype=torch.int64, device=device)
-    h = _mix(_mix_int(int(seed) & 0x7FFFFFFFFFFFFFFF) ^ _as_long(sample_ids, device)[..., None])
-    h = _mix(h ^ ids)
-    return _to_uniform(bits_at(extend_hash(h, _trailing(position, device), _trailing(step, device))))
+    h = stream_hash(seed, _as_long(sample_ids, device)[..., None], ids, device)
+    return _to_uniform(bits_at(extend_hash(h, _trailing(position, device), _trailing(step, device)), shape))
 
 
 def _trailing(x: TensorLike, device: torch.device | str | None) -> torch.Tensor | int:

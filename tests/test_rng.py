@@ -81,6 +81,16 @@ def test_uniforms_of_several_streams_in_one_pass_are_each_streams_own():
     flipped = rng.uniform_streams(11, 90, (rng.stream_id("residual"), "draft"), position=63, step=8)
     assert flipped.tolist() == [u[1, 2, 2, 2].item(), u[1, 2, 2, 0].item()]
     assert len(set(u[0, 0, 0].tolist())) == 3  # the streams are independent draws
+    # with a trailing shape (a tree round's per-rank draws): after the streams' dimension, element 0 keyed as a
+    # draw without a shape
+    wide = rng.uniform_streams(11, ids[:, None, None], streams, pos[None, :, None], steps[None, None, :], shape=(4,))
+    assert wide.shape == (2, 3, 4, 3, 4)
+    for k, stream in enumerate(streams):
+        assert torch.equal(wide[..., k, :], rng.uniform(11, ids[:, None, None], stream, pos[None, :, None],
+                                                        steps[None, None, :], shape=(4,)))
+    assert torch.equal(wide[..., 0], u)
+    ref = _splitmix_reference(11, 3, "accept", 7, 13, 2)
+    assert wide[0, 1, 3, 1, 2].item() == ((ref % (1 << 64)) >> 11) / (1 << 53)
 
 
 def test_uniform_and_normal_distributions():

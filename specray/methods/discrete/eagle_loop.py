@@ -29,28 +29,30 @@ draws its token and acceptance uniform from streams "draft" / "accept" at positi
 (the image-token index it would take), step = round, index = the node's rank among the tree's
 nodes of depth ``t``; the correction / bonus from "residual" at position ``n_b``. A one-path tree
 therefore has exactly the chain's keys, and gives the chain's tokens.
+
+On a CPU a tree round's decision, each depth's children draws and the accepted path's K/V moves are one C++
+call each (:mod:`~specray.methods.discrete.cpu_tree_rounds`, ``TargetStream.move``), with torch's values; at
+batch 1 they were most of the round's work outside the model calls.
 """
 
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 
 from specray import rng
 from specray.families import Method
 from specray.methods.common import RoundTally
-from specray.methods.discrete import cpu_rounds
+from specray.methods.discrete import cpu_rounds, cpu_tree_rounds
 from specray.methods.discrete.loop import RoundUniforms, _decide, _next_round
 from specray.methods.discrete.params import Sampling, Speculative
 from specray.methods.discrete.processing import process_with
-from specray.methods.discrete.rules import RuleParams, rule_params_for_pair
-from specray.methods.discrete.tree_rules import (
-    TREE_RULES,
-    tree_index,
-    verify_tree,
-)
+from specray.methods.discrete.rules import RuleParams, _rows_column, rule_params_for_pair
+from specray.methods.discrete.tree_rules import TREE_RULES, tree_index, tree_verifier
 from specray.methods.discrete.trees import StaticTree, resolve_tree
+from specray.models import cpu_kernels
 from specray.models.discrete_ar import DiscreteGPT, KVCache, attention_span, kv_slots
 from specray.models.eagle_head import EagleHead, head_logits
 from specray.models.pair import ModelPair
@@ -65,9 +67,16 @@ class _Streams:
         self.guided = sampling.uses_uncond
         self.rows = 2 * batch if self.guided else batch
         self.calls = 0
+        self._rows_of: torch.Tensor | None = None  # cache_rows' last samples, and their rows
+        self._rows = None
 
     def cache_rows(self, idx: torch.Tensor) -> torch.Tensor:
-        return torch.cat([idx, idx + self.batch]) if self.guided else idx
+        """The cache rows of the samples ``idx`` (made once per ``idx`` object: a round asks several times)."""
+        if not self.guided:
+            return idx
+        if idx is not self._rows_of:
+            self._rows_of, self._rows = idx, torch.cat([idx, idx + self.batch])
+        return self._rows
 
     def both(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` for the cond rows, repeated for the uncond rows."""
@@ -96,15 +105,18 @@ class TargetStream(_Streams):
         self.features = torch.zeros(self.rows, max_len, model.config.dim, dtype=weight.dtype, device=weight.device)
 
     def probs(self, idx: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-              visible: torch.Tensor, prefix: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        """Processed laws ``[r, n, V]`` and hidden states ``[rows, n, D]`` (cond rows, then uncond)."""
+              visible: torch.Tensor, prefix: bool = False, paired: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """Processed laws ``[r, n, V]`` and hidden states ``[rows, n, D]`` (cond rows, then uncond).
+        ``paired``: ``positions``, ``slots`` and ``visible`` are given for every cache row already."""
         self.calls += 1
         fed = tokens
         if self.guided:
-            uncond = torch.where(positions == 0, self.model.null_class, tokens) if prefix else tokens
+            uncond = torch.where(positions[: tokens.shape[0]] == 0, self.model.null_class, tokens) if prefix else tokens
             fed = torch.cat([tokens, uncond])
-        hidden = self.model.forward_tree(fed, self.both(positions), self.both(slots), self.both(visible), self.cache,
-                                         rows=self.cache_rows(idx), prefix=prefix)
+        if not paired:
+            positions, slots, visible = self.both(positions), self.both(slots), self.both(visible)
+        hidden = self.model.forward_tree(fed, positions, slots, visible, self.cache, rows=self.cache_rows(idx),
+                                         prefix=prefix)
         return self.process(self.model.output(hidden).float()), hidden
 
     def keep_features(self, idx: torch.Tensor, slots: torch.Tensor, hidden: torch.Tensor) -> None:
@@ -116,11 +128,14 @@ class TargetStream(_Streams):
 
     def move(self, idx: torch.Tensor, source: torch.Tensor, dest: torch.Tensor, hidden: torch.Tensor) -> None:
         """Move K/V of slots ``source [r, k]`` to ``dest [r, k]`` and store ``hidden [rows, k, D]`` at ``dest``."""
-        rows = self.cache_rows(idx)[:, None]
+        rows = self.cache_rows(idx)
         src, dst = self.both(source), self.both(dest)
-        self.keys[:, rows, dst] = self.keys[:, rows, src]  # the right-hand side is a copy: overlaps are safe
-        self.values[:, rows, dst] = self.values[:, rows, src]
-        self.features[rows, dst] = hidden.to(self.features.dtype)
+        kernels = cpu_kernels.extension() if self.features.device.type == "cpu" else None
+        for slots in (self.keys, self.values):
+            # One C++ call per tensor on a CPU (a copy: the same values), else torch's indexed copy.
+            if kernels is None or not kernels.move_slots(slots.transpose(-3, -2), rows, src, dst):
+                slots[:, rows[:, None], dst] = slots[:, rows[:, None], src]  # the right side is a copy: overlaps are safe
+        self.features[rows[:, None], dst] = hidden.to(self.features.dtype)
 
 
 class HeadStream(_Streams):
@@ -133,11 +148,14 @@ class HeadStream(_Streams):
         self.cache = head.new_cache(self.rows, max_len)
 
     def probs(self, idx: torch.Tensor, features: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
-              slots: torch.Tensor, visible: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Processed laws ``[r, n, V]`` and predicted hidden states ``[rows, n, D]`` (cond, then uncond rows)."""
+              slots: torch.Tensor, visible: torch.Tensor, paired: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """Processed laws ``[r, n, V]`` and predicted hidden states ``[rows, n, D]`` (cond, then uncond rows).
+        ``paired``: ``positions``, ``slots`` and ``visible`` are given for every cache row already."""
         self.calls += 1
-        predicted = self.head.forward_cached(features, self.both(tokens), self.both(positions), self.both(slots),
-                                             self.both(visible), self.cache, rows=self.cache_rows(idx))
+        if not paired:
+            positions, slots, visible = self.both(positions), self.both(slots), self.both(visible)
+        predicted = self.head.forward_cached(features, self.both(tokens), positions, slots, visible, self.cache,
+                                             rows=self.cache_rows(idx))
         return self.process(head_logits(self.target, predicted)), predicted
 
 
@@ -268,51 +286,44 @@ class _TreePlan:
     def __init__(self, tree: StaticTree, device: torch.device, seed: int, sample_ids: torch.Tensor,
                  num_positions: int) -> None:
         self.tree = tree
-        self.index = index = tree_index(tree, device)
+        self.index = tree_index(tree, device)
         self.spare = tree.num_nodes + 1  # the column absent children write to
-        self.levels = []  # per depth: (internal node ids, their internal indices, their parents, kids per slot j)
-        for depth in range(tree.depth):
-            nodes = list(tree.levels[depth])
-            slots = []
-            for j in range(tree.max_children):
-                kids = [tree.children[v][j] if j < len(tree.children[v]) else self.spare for v in nodes]
-                if any(k != self.spare for k in kids):
-                    slots.append(torch.tensor(kids, device=device))
-            ids = torch.tensor(nodes, device=device)
-            self.levels.append((ids, index.internal_of[ids], index.parents[ids].clamp(min=0), slots))
+        self.levels = tree_levels(tree, device)
         ranks, seen = [0], {}
         for depth in tree.depths[1:]:
             ranks.append(seen.get(depth, 0))
             seen[depth] = ranks[-1] + 1
-        self.offset = torch.tensor([max(d - 1, 0) for d in tree.depths], device=device)
-        self.rank = torch.tensor(ranks, device=device)
+        # Per node, and once more for the spare column (node 0's keys): its position offset and rank.
+        self.offset = torch.tensor([max(d - 1, 0) for d in tree.depths] + [0], device=device)
+        self.rank = torch.tensor(ranks + [0], device=device)
         self.width = max(seen.values())
         self.seed, self.sample_ids = seed, sample_ids
         self.positions = torch.arange(num_positions, device=device)
         self.chunk = max(4, min(32, 256 // max(1, sample_ids.shape[0])))
-        self.chunks: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        self.chunks: list[torch.Tensor] = []  # [B, positions, chunk, width, 3] float64
+
+    STREAMS = ("draft", "accept", "residual")
 
     def uniforms(self, step: int, idx: torch.Tensor, n: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """Uniforms ``[r, N+1]`` of streams draft and accept per node, and the residual ``[r]``, of rows ``idx``."""
+        """Uniforms of rows ``idx``: streams draft ``[r, N+2]`` (the last column the spare one's, a copy of
+        node 0's) and accept ``[r, N+1]`` per node, and the residual ``[r]`` (the root's keys, index 0: a draw
+        without an index is keyed as index 0)."""
         while len(self.chunks) <= step // self.chunk:
             first = len(self.chunks) * self.chunk
             steps = torch.arange(first, first + self.chunk, device=self.positions.device)[None, None, :]
-            sids, positions = self.sample_ids[:, None, None], self.positions[None, :, None]
-            self.chunks.append(tuple(
-                rng.uniform(self.seed, sids, stream, position=positions, step=steps, shape=shape)
-                for stream, shape in (("draft", (self.width,)), ("accept", (self.width,)), ("residual", ()))))
-        draft, accept, residual = (u[:, :, step % self.chunk] for u in self.chunks[step // self.chunk])
-        if idx.shape[0] != draft.shape[0]:
-            draft, accept, residual = draft[idx], accept[idx], residual[idx]
-        rows = torch.arange(idx.shape[0], device=idx.device)[:, None]
-        node_positions = n[:, None] + self.offset[None]
-        return (draft[rows, node_positions, self.rank], accept[rows, node_positions, self.rank],
-                residual.gather(1, n[:, None])[:, 0])
+            u = rng.uniform_streams(self.seed, self.sample_ids[:, None, None], self.STREAMS,
+                                    position=self.positions[None, :, None], step=steps, shape=(self.width,))
+            self.chunks.append(u.transpose(-2, -1))  # streams last: one index below takes all three
+        slab = self.chunks[step // self.chunk].select(2, step % self.chunk)  # [B, positions, width, 3]
+        if idx.shape[0] != slab.shape[0]:
+            slab = slab[idx]
+        per_node = slab[_rows_column(idx.shape[0], idx.device), n[:, None] + self.offset[None], self.rank]
+        return per_node[:, :, 0], per_node[:, :-1, 1], per_node[:, 0, 2]
 
     def visible(self, n: torch.Tensor, span: int) -> torch.Tensor:
         """``visible [r, N+1, span]``: node v sees the committed slots ``0 .. n - 1`` and its own root path,
         slots ``n + a`` (``span`` must cover every tree slot, ``n + N``). Built once a round: the verify
-        call reads it whole, each head call the rows of its level (:meth:`level_visible`)."""
+        call reads it whole, each head call the rows of its level (without slot 0: the head has no position 0)."""
         r = n.shape[0]
         slots, _ = _slot_ranges(span, 0, n.device)
         n_col = n[:, None]
@@ -320,36 +331,81 @@ class _TreePlan:
         tree_slots = (n_col + self.index.node_ids)[:, None, :].expand(-1, self.spare, -1)  # node v in slot n + v
         return committed.clone().scatter_(2, tree_slots, self.index.visible[None].expand(r, -1, -1))
 
-    @staticmethod
-    def level_visible(visible: torch.Tensor, nodes: torch.Tensor) -> torch.Tensor:
-        """The head's mask for ``nodes``: their rows of the round's :meth:`visible`, without slot 0 (the
-        head has no position 0; tree slots are past it)."""
-        return visible.index_select(1, nodes) & _slot_ranges(visible.shape[-1], 1, visible.device)[1]
-
     def draw_children(self, depth: int, q: torch.Tensor, u: torch.Tensor, node_tokens: torch.Tensor,
                       node_valid: torch.Tensor) -> None:
-        """Children of depth ``depth``'s internal nodes, without replacement from their laws ``q [r, L, V]``.
+        """Children of depth ``depth``'s internal nodes, without replacement from their laws ``q [r, L, V]``
+        (:func:`draw_children_torch`; one kernel call on a CPU, :mod:`~specray.methods.discrete.cpu_tree_rounds`).
 
         ``node_tokens`` / ``node_valid`` ``[r, N+2]``: a spare last column takes the absent children's writes;
-        ``u [r, N+2]``: the round's draft uniforms per node, and a spare column for absent children (a copy
-        of column 0, made once per round).
+        ``u [r, N+2]``: the round's draft uniforms per node, and the spare column's for absent children
+        (:meth:`uniforms`).
         """
-        nodes, _, _, slots = self.levels[depth]
-        left = q.to(torch.float64)
-        parent_valid = node_valid.index_select(1, nodes)
-        # index_select / index_copy_ rather than [:, kids]: the same values, a few µs less per op. An
-        # absent child's writes land in the spare column, which nothing reads, so they need no mask.
-        for kids in slots:
-            cdf = torch.cumsum(left, dim=-1)  # float64 running sums, as sample_categorical makes them
-            drawn = (cdf.select(-1, -1) > 0) & parent_valid
-            # A parent whose law has no mass left draws V - 1 from its zero cdf; not drawn, so masked below.
-            token = rng.sample_from_cdf(cdf, u.index_select(1, kids).unsqueeze(-1))
-            node_tokens.index_copy_(1, kids, torch.where(drawn, token.squeeze(-1), 0))
-            node_valid.index_copy_(1, kids, drawn)
-            # The drawn token leaves the parent's law. Zeroing it where nothing was drawn changes no
-            # output: no later child of that parent is drawn either (absent children stay absent, an
-            # invalid parent stays invalid, an empty law stays empty), so one scatter, no mask.
-            left = left.scatter(-1, token, 0.0)
+        nodes, _, kids = self.levels[depth]
+        if not cpu_tree_rounds.draw_children(q, u, node_tokens, node_valid, nodes.ids, kids):
+            draw_children_torch(q, u, node_tokens, node_valid, nodes.ids, kids)
+
+
+class Columns:
+    """Column ids of a round's per-node tensors, taken by one ``narrow`` (a view) where they are consecutive, as
+    the named trees' levels are, else by ``index_select`` (the same values)."""
+
+    def __init__(self, ids: list[int], device: torch.device) -> None:
+        self.ids = torch.tensor(ids, device=device)
+        self.first = ids[0] if ids == list(range(ids[0], ids[0] + len(ids))) else None
+        self.count = len(ids)
+
+    def take(self, x: torch.Tensor) -> torch.Tensor:
+        """``x[:, ids]``."""
+        return x.narrow(1, self.first, self.count) if self.first is not None else x.index_select(1, self.ids)
+
+
+class TreeLevel(NamedTuple):
+    """The internal nodes of one depth of a tree, as a round drafts them."""
+
+    nodes: Columns  # their node ids
+    parents_at: Columns  # each one's parent's place among the previous depth's internal nodes
+    kids: torch.Tensor  # [slots, L] their children by drafting slot, the spare column N + 1 where a node has fewer
+
+
+def tree_levels(tree: StaticTree, device: torch.device) -> list[TreeLevel]:
+    """:class:`TreeLevel` per depth (child slots that no node of the depth uses left out). The internal nodes of
+    the depths in turn are the tree's internal nodes in order (node ids sort by depth), so a round's drafter laws
+    per depth, concatenated, are ``Q`` in the order ``verify_tree`` reads it."""
+    spare = tree.num_nodes + 1
+    levels, previous = [], [-1]  # the root's parent: none (its level reads the catch-up's one prediction)
+    for depth in range(tree.depth):
+        nodes = list(tree.levels[depth])
+        slots = [[tree.children[v][j] if j < len(tree.children[v]) else spare for v in nodes]
+                 for j in range(tree.max_children)]
+        kids = torch.tensor([slot for slot in slots if any(k != spare for k in slot)], device=device)
+        parents_at = [previous.index(tree.parents[v]) for v in nodes]
+        levels.append(TreeLevel(Columns(nodes, device), Columns(parents_at, device), kids))
+        previous = nodes
+    assert [v for level in levels for v in level.nodes.ids.tolist()] == list(tree.internal)
+    return levels
+
+
+def draw_children_torch(q: torch.Tensor, u: torch.Tensor, node_tokens: torch.Tensor, node_valid: torch.Tensor,
+                        nodes: torch.Tensor, kids: torch.Tensor) -> None:
+    """The children of ``nodes`` (one tree level), written at the columns ``kids [slots, L]`` of ``node_tokens`` /
+    ``node_valid``, drawn without replacement from the nodes' laws ``q [r, L, V]`` with the uniforms of those
+    columns of ``u``: child ``j`` from the law without the earlier children's tokens, drafted where its parent was
+    and that law has mass left (token 0 and not valid otherwise)."""
+    left = q.to(torch.float64)
+    parent_valid = node_valid.index_select(1, nodes)
+    # index_select / index_copy_ rather than [:, kids]: the same values, a few µs less per op. An
+    # absent child's writes land in the spare column, which nothing reads, so they need no mask.
+    for slot in kids:
+        cdf = torch.cumsum(left, dim=-1)  # float64 running sums, as sample_categorical makes them
+        drawn = (cdf.select(-1, -1) > 0) & parent_valid
+        # A parent whose law has no mass left draws V - 1 from its zero cdf; not drawn, so masked below.
+        token = rng.sample_from_cdf(cdf, u.index_select(1, slot).unsqueeze(-1))
+        node_tokens.index_copy_(1, slot, torch.where(drawn, token.squeeze(-1), 0))
+        node_valid.index_copy_(1, slot, drawn)
+        # The drawn token leaves the parent's law. Zeroing it where nothing was drawn changes no
+        # output: no later child of that parent is drawn either (absent children stay absent, an
+        # invalid parent stays invalid, an empty law stays empty), so one scatter, no mask.
+        left = left.scatter(-1, token, 0.0)
 
 
 def _tree(params: Speculative, pair: ModelPair, labels: torch.Tensor, sample_ids: torch.Tensor,
@@ -364,17 +420,17 @@ def _tree(params: Speculative, pair: ModelPair, labels: torch.Tensor, sample_ids
     max_len = target_model.max_seq_len + nodes
     target = TargetStream(target_model, batch, params, max_len)
     head = HeadStream(pair.draft, target_model, batch, params, max_len)
-    rule_params = tree_rule_params(params, pair)
+    verify = tree_verifier(params.rule, index, tree_rule_params(params, pair))
     tokens = torch.zeros(batch, num_tokens + depth + 1, dtype=torch.int64, device=device)
     committed = _prefill(target, labels, sample_ids, seed, tokens)
     tally = RoundTally(batch, depth, num_tokens, device)
     tally.add_calls(None, target=1)
     depth_steps = torch.arange(depth, device=device)
     node_depth = index.depths[1:, None] == depth_steps[None] + 1  # [N, depth]: node v sits at depth t + 1
-    vocab = target_model.config.vocab_size
     all_rows = torch.arange(batch, device=device)
     for it in range(num_tokens):
-        active = [b for b, c in enumerate(committed.tolist()) if c < num_tokens]  # the round's one host sync
+        counts = committed.tolist()  # the round's one host sync
+        active = [b for b, c in enumerate(counts) if c < num_tokens]
         if not active:
             break
         full = len(active) == batch  # every row takes part: the batch's own tensors, updated in place
@@ -386,35 +442,38 @@ def _tree(params: Speculative, pair: ModelPair, labels: torch.Tensor, sample_ids
         r = idx.shape[0]
         u_draft, u_accept, u_residual = plan.uniforms(it, idx, n)
 
-        # 1-2. CATCH UP, then one head call per depth over that depth's internal nodes.
+        # 1-2. CATCH UP, then one head call per depth over that depth's internal nodes. Slots, positions and the
+        # mask of the round's calls are built once, for every cache row (cond rows, then uncond).
         node_tokens = torch.zeros(r, nodes + 1, dtype=torch.int64, device=device)
         node_valid = torch.zeros(r, nodes + 1, dtype=torch.bool, device=device)
         node_valid[:, 0] = True
-        Q = torch.zeros(r, index.internal.shape[0], vocab, dtype=torch.float32, device=device)
-        predicted = torch.zeros(2 * r if head.guided else r, nodes, target_model.config.dim, device=device)
-        slots = n[:, None] + index.node_ids
-        node_positions = n[:, None] + index.depths  # node v sits at sequence position n + depth(v)
+        n_rows = head.both(n)
+        slots = n_rows[:, None] + index.node_ids  # node v in slot n + v
+        node_positions = n_rows[:, None] + index.depths  # at sequence position n + depth(v)
         span = attention_span(slots, target.cache.max_len)  # every call of the round: the whole tree's slots
-        visible = plan.visible(n, span)
-        q, predicted[:, 0] = _catch_up(head, target, idx, n, row_tokens, depth + 1, span)
-        Q[:, 0] = q
-        u_draft = torch.cat([u_draft, u_draft[:, :1]], 1)  # draw_children's spare column
-        plan.draw_children(0, q[:, None], u_draft, node_tokens, node_valid)
+        visible = plan.visible(n_rows, span)
+        head_visible = visible & _slot_ranges(span, 1, device)[1]  # the head has no position 0
+        q, predicted = _catch_up(head, target, idx, n, row_tokens, depth + 1, span)
+        qs, predicted = [q[:, None]], predicted[:, None]  # per depth: the laws [r, L, V], the predictions [rows, L, D]
+        plan.draw_children(0, qs[0], u_draft, node_tokens, node_valid)
         for t in range(1, depth):
-            level, internal, parents, _ = plan.levels[t]
-            q, out = head.probs(idx, predicted.index_select(1, parents), node_tokens.index_select(1, level),
-                                node_positions.index_select(1, level), slots.index_select(1, level),
-                                plan.level_visible(visible, level))
-            predicted.index_copy_(1, level, out)
-            Q.index_copy_(1, internal, q)
+            level, parents_at, _ = plan.levels[t]
+            q, predicted = head.probs(idx, parents_at.take(predicted), level.take(node_tokens),
+                                      level.take(node_positions), level.take(slots), level.take(head_visible),
+                                      paired=True)
+            qs.append(q)
             plan.draw_children(t, q, u_draft, node_tokens, node_valid)
         node_tokens, node_valid = node_tokens[:, :nodes], node_valid[:, :nodes]
+        Q = torch.cat(qs, dim=1)  # [r, I, V]: the internal nodes depth by depth, in order (tree_levels)
 
         # 3-4. VERIFY the whole tree in one target call, DECIDE depth by depth.
         fed = torch.cat([row_tokens.gather(1, (n - 1)[:, None]), node_tokens[:, 1:]], dim=1)
-        P, hidden = target.probs(idx, fed, node_positions, slots, visible)
-        verifiable = node_valid & (index.depths[None] <= (num_tokens - 1 - n)[:, None])  # room left in the image
-        out = verify_tree(params.rule, index, P, Q, node_tokens, verifiable, u_accept, u_residual, rule_params)
+        P, hidden = target.probs(idx, fed, node_positions, slots, visible, paired=True)
+        if max(counts[b] for b in active) + depth < num_tokens:  # every node has room in the image
+            verifiable = node_valid
+        else:  # a node past the image's last token is not verified
+            verifiable = node_valid & (index.depths[None] <= (num_tokens - 1 - n)[:, None])
+        out = verify(P, Q, node_tokens, verifiable, u_accept, u_residual)
 
         # 5. COMMIT: accepted node at depth t + 1 -> image token n + t, sequence position n + t + 1.
         n_acc, path = out.n_accepted, out.path
@@ -422,7 +481,7 @@ def _tree(params: Speculative, pair: ModelPair, labels: torch.Tensor, sample_ids
         dest = n[:, None] + 1 + depth_steps
         row_tokens.scatter_(1, torch.where(accepted, dest - 1, n[:, None] + depth), node_tokens.gather(1, path))
         target.keep_features(idx, n[:, None], hidden[:, :1])
-        kept = torch.where(accepted, slots.gather(1, path), dest)  # rejected depths move onto themselves
+        kept = torch.where(accepted, slots[:r].gather(1, path), dest)  # rejected depths move onto themselves
         path_rows = torch.arange(hidden.shape[0], device=device)[:, None]
         target.move(idx, kept, dest, hidden[path_rows, head.both(path)])
         _commit_tokens(idx, full, n, n_acc, out.next_token, row_tokens, tokens, committed)

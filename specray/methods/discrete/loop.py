@@ -46,7 +46,9 @@ decision and each draw are one C++ call (:mod:`~specray.methods.discrete.cpu_rou
 
 from __future__ import annotations
 
+import contextlib
 import functools
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -412,6 +414,14 @@ def _speculative(verifier: Verifier, params: Speculative, pair: ModelPair, label
     return tokens[:, :num_tokens], tally
 
 
+@contextlib.contextmanager
+def generation_context() -> Iterator[None]:
+    """What the loops run in: no autograd, and the caches reusing the last run's memory (a benchmark that makes a
+    loop's model calls again makes them in it too)."""
+    with torch.inference_mode(), buffer_reuse.reusing():
+        yield
+
+
 def generate_tokens(method: str | Method, params: Any, pair: ModelPair, labels: torch.Tensor,
                     sample_ids: torch.Tensor, seed: int) -> tuple[torch.Tensor, list[SampleStats]]:
     """Image tokens ``[B, N]`` and per-sample statistics (``method``/``params`` as in :func:`run_batch`)."""
@@ -424,7 +434,7 @@ def generate_tokens(method: str | Method, params: Any, pair: ModelPair, labels: 
         raise ValueError(f"labels and sample_ids must be 1-D of equal length, got {tuple(labels.shape)} and {tuple(sample_ids.shape)}")
     if labels.numel() and (int(labels.min()) < 0 or int(labels.max()) >= num_classes):
         raise ValueError(f"class labels must be in [0, {num_classes - 1}], got range [{int(labels.min())}, {int(labels.max())}]")
-    with torch.inference_mode(), buffer_reuse.reusing():  # the caches reuse the last run's memory
+    with generation_context():
         if isinstance(params, Speculative):
             if pair.draft is None:
                 raise ValueError(f"method {method.name!r} needs a draft model; the pair has none")

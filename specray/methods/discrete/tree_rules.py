@@ -35,6 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
+from specray.methods.discrete import cpu_tree_rounds
 from specray.methods.discrete.lantern import relaxed_target_mass
 from specray.methods.discrete.rules import (
     RuleParams,
@@ -202,9 +203,11 @@ def _validate(rule: str, index: TreeIndex, P: torch.Tensor, Q: torch.Tensor, tok
 
 def _verify_tree_impl(rule: str, index: TreeIndex, P: torch.Tensor, Q: torch.Tensor, tokens: torch.Tensor,
                       valid: torch.Tensor, u_accept: torch.Tensor, u_residual: torch.Tensor, params: RuleParams,
-                      residual_fn: ResidualFn = rejection_residual) -> tuple[TreeVerifyOutput, TreeVerifyDetails]:
-    validate_params(rule, params)
-    _validate(rule, index, P, Q, tokens, valid, u_accept, u_residual)
+                      residual_fn: ResidualFn = rejection_residual,
+                      validate: bool = True) -> tuple[TreeVerifyOutput, TreeVerifyDetails]:
+    if validate:
+        validate_params(rule, params)
+        _validate(rule, index, P, Q, tokens, valid, u_accept, u_residual)
     batch = P.shape[0]
     device = P.device
     P64 = normalise(P)
@@ -261,3 +264,25 @@ def verify_tree(rule: str, index: TreeIndex, P: torch.Tensor, Q: torch.Tensor, t
             normalised over the tree's depth).
     """
     return verify_tree_with_details(rule, index, P, Q, tokens, valid, u_accept, u_residual, params)[0]
+
+
+def tree_verifier(rule: str, index: TreeIndex, params: RuleParams) -> Callable[..., TreeVerifyOutput]:
+    """:func:`verify_tree` for the rounds of one arm, ``(P, Q, tokens, valid, u_accept, u_residual) -> output``:
+    the rule and its parameters validated once; on a CPU each round is one call of the tree kernel where it serves
+    (:mod:`~specray.methods.discrete.cpu_tree_rounds`), with the same values as torch's operations, which decide
+    every other round."""
+    if rule not in TREE_RULES:
+        raise ValueError(f"rule {rule!r} cannot verify a tree; allowed: {', '.join(TREE_RULES)} "
+                         "(block verification is defined for chains)")
+    validate_params(rule, params)
+    extra = (cpu_tree_rounds.tree_round_arguments(rule, params, index) if index.node_ids.device.type == "cpu"
+             else None)
+
+    def verify_round(P, Q, tokens, valid, u_accept, u_residual) -> TreeVerifyOutput:
+        fast = cpu_tree_rounds.decide_tree(rule, extra, index, P, Q, tokens, valid, u_accept, u_residual)
+        if fast is not None:
+            return TreeVerifyOutput(*fast)
+        # The loop builds the shapes _validate checks.
+        return _verify_tree_impl(rule, index, P, Q, tokens, valid, u_accept, u_residual, params, validate=False)[0]
+
+    return verify_round

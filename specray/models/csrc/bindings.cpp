@@ -12,5 +12,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("omegas") = py::none());
   m.def("block_round", &block_round, "block verification's round with the values of torch's operations");
   m.def("lantern_round", &lantern_round, "LANTERN's round (G* residual) with the values of torch's operations");
+  m.def("tree_round", &tree_round, "a static tree's round (sd, cool_sd, uniform_rsd) with torch's values",
+        py::arg("P"), py::arg("Q"), py::arg("tokens"), py::arg("valid"), py::arg("u_accept"), py::arg("u_residual"),
+        py::arg("child_nodes"), py::arg("child_exists"), py::arg("internal_of"), py::arg("depths"),
+        py::arg("path_to"), py::arg("omegas") = py::none());
+  m.def("lantern_tree_round", &lantern_tree_round, "LANTERN++'s tree round (G* residual) with torch's values");
+  m.def("draw_children", &draw_children, "a tree level's children draws with the values of torch's operations");
   m.def("write_blocks", &write_blocks, "K/V of consecutive positions per row into a head-major CPU cache");
+  m.def("move_slots", &move_slots, "K/V slots moved within a head-major CPU cache, every layer at once");
 }

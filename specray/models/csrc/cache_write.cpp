@@ -4,6 +4,7 @@
 #include "kernels.h"
 
 #include <cstring>
+#include <vector>
 
 // On the CPU: storage [R, H, S, d] contiguous float32; x [r, n, H, d] float32 with d contiguous; rows, starts [r] int64:
 // storage[rows[i], h, starts[i] + t] = x[i, t, h] for every i, t, h. Returns false, writing nothing, on any
@@ -31,6 +32,44 @@ bool write_blocks(at::Tensor& storage, const at::Tensor& x, const at::Tensor& ro
       float* block = cache + ((row[i] * H + h) * S + start[i]) * d;
       const float* from = src + i * row_stride + h * head_stride;
       for (int64_t t = 0; t < n; ++t) std::memcpy(block + t * d, from + t * token_stride, d * sizeof(float));
+    }
+  }
+  return true;
+}
+
+// A tree round's accepted path moved in a head-major CPU cache: storage [L, R, H, S, d] contiguous float32 (every
+// layer's K, or V), rows [r] and source, dest [r, k] int64: storage[l, rows[i], h, dest[i, j]] takes what
+// storage[l, rows[i], h, source[i, j]] held before the call, for every l, i, j, h (every source read before any
+// write: a destination may be another slot's source). Returns false, moving nothing, on any other layout or an
+// index out of range (the caller's indexed copy then runs, and refuses the latter).
+bool move_slots(at::Tensor& storage, const at::Tensor& rows, const at::Tensor& source, const at::Tensor& dest) {
+  if (!storage.device().is_cpu() || !rows.device().is_cpu() || !source.device().is_cpu() ||
+      !dest.device().is_cpu() || storage.scalar_type() != at::kFloat || rows.scalar_type() != at::kLong ||
+      source.scalar_type() != at::kLong || dest.scalar_type() != at::kLong || storage.dim() != 5 ||
+      !storage.is_contiguous() || rows.dim() != 1 || source.dim() != 2 || source.sizes() != dest.sizes() ||
+      source.size(0) != rows.size(0)) {
+    return false;
+  }
+  const int64_t L = storage.size(0), R = storage.size(1), H = storage.size(2), S = storage.size(3);
+  const int64_t d = storage.size(4), r = source.size(0), k = source.size(1);
+  const auto row = rows.accessor<int64_t, 1>();
+  const auto from = source.accessor<int64_t, 2>();
+  const auto to = dest.accessor<int64_t, 2>();
+  for (int64_t i = 0; i < r; ++i) {
+    if (row[i] < 0 || row[i] >= R) return false;
+    for (int64_t j = 0; j < k; ++j) {
+      if (from[i][j] < 0 || from[i][j] >= S || to[i][j] < 0 || to[i][j] >= S) return false;
+    }
+  }
+  std::vector<float> held(k * d);
+  float* cache = storage.data_ptr<float>();
+  for (int64_t l = 0; l < L; ++l) {
+    for (int64_t i = 0; i < r; ++i) {
+      for (int64_t h = 0; h < H; ++h) {
+        float* block = cache + (((l * R + row[i]) * H + h) * S) * d;  // one (layer, row, head): S slots of d
+        for (int64_t j = 0; j < k; ++j) std::memcpy(held.data() + j * d, block + from[i][j] * d, d * sizeof(float));
+        for (int64_t j = 0; j < k; ++j) std::memcpy(block + to[i][j] * d, held.data() + j * d, d * sizeof(float));
+      }
     }
   }
   return true;

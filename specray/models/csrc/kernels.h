@@ -20,6 +20,10 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
 // nothing written, where the call is not one it serves.
 bool write_blocks(at::Tensor& storage, const at::Tensor& x, const at::Tensor& rows, const at::Tensor& starts);
 
+// K or V slots moved within a head-major cache, every layer at once (cache_write.cpp): a tree round's accepted path
+// to its sequence positions; false, with nothing moved, where the call is not one it serves.
+bool move_slots(at::Tensor& storage, const at::Tensor& rows, const at::Tensor& source, const at::Tensor& dest);
+
 // RMSNorm of float32 rows, (x * rsqrt(sum(x * x) / D + eps)) * weight, with the values of torch's operations
 // (rms_norm.cpp); an undefined tensor where the call is not one it serves.
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
@@ -49,3 +53,29 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> lantern_round(const at::Tensor& P
                                                              const at::Tensor& neighbours, int64_t k,
                                                              bool lambda_mode, double lam, double delta,
                                                              bool forbid_zero_target_mass);
+
+// A static draft tree's round (tree_rounds.cpp) with the values of tree_rules.verify_tree's torch operations:
+// (n_accepted [rows], path [rows, depth], next_token [rows]); undefined tensors where the call is not one it serves.
+// The tree as tree_rules.TreeIndex's child_nodes, child_exists, internal_of, depths and path_to. sd (no omegas),
+// cool_sd and uniform_rsd (omegas: the float64 multiplier of each internal node's children):
+std::tuple<at::Tensor, at::Tensor, at::Tensor> tree_round(const at::Tensor& P, const at::Tensor& Q,
+                                                          const at::Tensor& tokens, const at::Tensor& valid,
+                                                          const at::Tensor& u_accept, const at::Tensor& u_residual,
+                                                          const at::Tensor& child_nodes,
+                                                          const at::Tensor& child_exists,
+                                                          const at::Tensor& internal_of, const at::Tensor& depths,
+                                                          const at::Tensor& path_to,
+                                                          const std::optional<at::Tensor>& omega);
+
+// LANTERN++ on a tree, with the G* residual (neighbours [V, >= k] int64, nearest first):
+std::tuple<at::Tensor, at::Tensor, at::Tensor> lantern_tree_round(
+    const at::Tensor& P, const at::Tensor& Q, const at::Tensor& tokens, const at::Tensor& valid,
+    const at::Tensor& u_accept, const at::Tensor& u_residual, const at::Tensor& child_nodes,
+    const at::Tensor& child_exists, const at::Tensor& internal_of, const at::Tensor& depths, const at::Tensor& path_to,
+    const at::Tensor& neighbours, int64_t k, bool lambda_mode, double lam, double delta, bool forbid_zero_target_mass);
+
+// One tree level's children, drawn without replacement from the level's laws q [rows, L, V] (tree_rounds.cpp), with
+// the values of eagle_loop.draw_children_torch: node_tokens and node_valid [rows, columns] written in place at the
+// columns kids [slots, L] (parents [L]: the level's nodes); false, with nothing written, where it does not serve.
+bool draw_children(const at::Tensor& q, const at::Tensor& u, at::Tensor& node_tokens, at::Tensor& node_valid,
+                   const at::Tensor& parents, const at::Tensor& kids);
