@@ -57,11 +57,9 @@ waits for a core on a shared machine (valid for single-threaded CPU runs only). 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import statistics
 import sys
 from collections import Counter
-from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -94,9 +92,8 @@ from bench.pricing import (  # noqa: E402
     with_replays,
 )
 from specray.methods.discrete.eagle_loop import HeadStream, TargetStream  # noqa: E402
-from specray.methods.discrete.loop import GuidedModel, run_batch  # noqa: E402
+from specray.methods.discrete.loop import GuidedModel, generation_context, run_batch  # noqa: E402
 from specray.methods.discrete.params import SD  # noqa: E402
-from specray.models import buffer_reuse  # noqa: E402
 from specray.models.discrete_ar import attention_span, load_pair  # noqa: E402
 from specray.models.pair import ModelPair  # noqa: E402
 
@@ -219,13 +216,7 @@ def cache_lengths(stream: Any) -> torch.Tensor:
 def replay_batch(recording: CallRecording, device: torch.device) -> dict[str, float]:
     """Time one batch's calls made again in sequence, with nothing between them (both clocks), in the
     context a run makes its calls in (:func:`~specray.methods.discrete.loop.generate_tokens`)."""
-    return replay_time(recording, device, calls_context)
-
-
-@contextlib.contextmanager
-def calls_context() -> Iterator[None]:
-    with torch.inference_mode(), buffer_reuse.reusing():
-        yield
+    return replay_time(recording, device, generation_context)
 
 
 def shapes_to_time(counts: list[CallCounts], batch: int) -> list[str]:
@@ -257,7 +248,8 @@ def _call_of_shape(role: str, n: int, rows: int, batch: int, pairs: dict[str, Mo
     so its cost grows with its position, and the loops make their calls all over the image.
 
     The cache length is the loop's: target_only's for 1-token target calls (all but one prefill call
-    per speculative batch), the speculative loop's (room for a padded verify) otherwise; for the head
+    per speculative batch), the speculative loop's (room for a padded verify) otherwise, each position with
+    a cache of its own, grown as far as the loop's is there; for the head
     arms' calls, the prefix plus the call's tokens (a tree verify's nodes). The rows of a speculative
     GPT shape stand at different positions (0-3 apart), as they do after a loop's first round.
     """
@@ -276,9 +268,12 @@ def _call_of_shape(role: str, n: int, rows: int, batch: int, pairs: dict[str, Mo
     if role in ("target", "draft"):
         model = gpt.target if role == "target" else gpt.draft
         max_len = gpt.target.max_seq_len + (0 if (role, n) == ("target", 1) else gamma + 1)
-        stream = GuidedModel(model, batch, sampling, max_len)
+        # One stream per position: on a CPU a GPT's cache grows with its calls (KVCache.reserve) and a call reads
+        # every slot its cache holds, so a call at position 8 on a cache grown for position 56 read 4x the slots
+        # the loop's call there does (at batch 32 target_only's calls were priced 1.33x, now 1.18x, their in-run time).
+        streams = [GuidedModel(model, batch, sampling, max_len) for _ in spread]
         full = rows == batch
-        return lambda: [stream.forward(idx, tok, pos, all_rows=full, prefix=False) for pos in spread]
+        return lambda: [stream.forward(idx, tok, pos, all_rows=full, prefix=False) for stream, pos in zip(streams, spread)]
     head_pair = pairs[HEAD]
     max_len = head_pair.target.max_seq_len + n + 1
     role_stream = (TargetStream(head_pair.target, batch, sampling, max_len) if role == "target_f"
