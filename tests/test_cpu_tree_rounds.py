@@ -93,7 +93,7 @@ def test_children_draws_give_torchs_tokens(extension, width, dtype):
                 laws[::2, :, 1:] = 0.0
                 u = torch.rand(rows, columns, generator=generator, dtype=torch.float64)
                 valid = torch.rand(rows, columns, generator=generator) > 0.25
-                for q in (laws[:, : nodes.shape[0]], laws[:, 1::2]):
+                for q in (laws[:, : nodes.shape[0]].contiguous(), laws[:, 1::2]):
                     want_tokens, want_valid = torch.zeros(rows, columns, dtype=torch.int64), valid.clone()
                     eagle_loop.draw_children_torch(q, u, want_tokens, want_valid, nodes, kids)
                     got_tokens, got_valid = torch.zeros(rows, columns, dtype=torch.int64), valid.clone()
@@ -107,7 +107,7 @@ NAN, INF = float("nan"), float("inf")
 
 
 @pytest.mark.parametrize("why", ["narrow", "wide", "float64", "strided", "token_out_of_range", "nan_p", "zero_q_row",
-                                 "infinite_multiplier", "official_residual"])
+                                 "negative_uniform", "infinite_multiplier", "official_residual"])
 def test_tree_rounds_the_kernels_do_not_serve_go_to_torch(extension, why):
     width = {"narrow": 3, "wide": 256}.get(why, 17)
     index = tree_rules.tree_index(NAMED_TREES["small"], CPU)
@@ -124,6 +124,9 @@ def test_tree_rounds_the_kernels_do_not_serve_go_to_torch(extension, why):
         P[2, 0, 3] = NAN
     elif why == "zero_q_row":
         Q[0, 1] = 0.0
+    elif why == "negative_uniform":  # torch passes an undrafted child (pass probability 0) at u < 0; the walk skips it
+        valid[:, 1] = False
+        u_accept[:, :2] = -0.5
     elif why == "infinite_multiplier":  # the config refuses such a mu; a direct call must not serve it
         rule, params = "cool_sd", rules.RuleParams(delta=2.0, mu=-800.0)
     elif why == "official_residual":
@@ -158,10 +161,12 @@ def test_children_draws_the_kernel_does_not_serve_write_nothing(extension, why):
         u = u.float()
     else:
         u = u[:, :-1]  # no spare column: the spare children's uniform is out of range
-    tokens, valid = torch.zeros(3, tree.num_nodes + 2, dtype=torch.int64), torch.ones(3, tree.num_nodes + 2, dtype=bool)
+    tokens = torch.randint(17, (3, tree.num_nodes + 2), generator=generator)
+    valid = torch.rand(3, tree.num_nodes + 2, generator=generator) > 0.5
+    before = tokens.clone(), valid.clone()
     assert not extension.draw_children(q, u, tokens, valid, nodes, kids)
     assert not cpu_tree_rounds.draw_children(q, u, tokens, valid, nodes, kids)
-    assert not tokens.any() and valid.all()  # nothing written
+    assert torch.equal(tokens, before[0]) and torch.equal(valid, before[1])  # nothing written
 
 
 def test_the_checks_refuse_kernels_that_normalise_weigh_or_draw_otherwise(extension):
@@ -254,11 +259,12 @@ def test_the_tree_arms_give_the_same_samples_with_and_without_the_kernels(extens
     decided, drawn, moved = [], [], []
     name = cpu_tree_rounds.TREE_ROUND_KERNELS[method]
     real_round, real_draw, real_move = getattr(extension, name), extension.draw_children, extension.move_slots
-    monkeypatch.setattr(extension, name, lambda *args: decided.append(1) or real_round(*args))
-    monkeypatch.setattr(extension, "draw_children", lambda *args: drawn.append(1) or real_draw(*args))
+    monkeypatch.setattr(extension, name, lambda *args: decided.append(real_round(*args)) or decided[-1])
+    monkeypatch.setattr(extension, "draw_children", lambda *args: drawn.append(real_draw(*args)) or drawn[-1])
     monkeypatch.setattr(extension, "move_slots", lambda *args: moved.append(real_move(*args)) or moved[-1])
     with_kernels = generate_tokens(method, {"cfg_scale": 1.5, **params}, pair, ids % 10, ids, 3)
-    assert decided and drawn and moved and all(moved)
+    assert decided and drawn and moved  # every round served by each kernel
+    assert all(out[0] is not None for out in decided) and all(drawn) and all(moved)
     monkeypatch.setattr(cpu_rounds, "ENABLED", False)
     monkeypatch.setattr(extension, "move_slots", lambda *args: moved.append(False))  # not served: torch's copy
     decided.clear(), drawn.clear(), moved.clear()

@@ -9,7 +9,8 @@ take about 8 operations per child slot. The kernels walk each row's one path and
 As in :mod:`~specray.methods.discrete.cpu_rounds`, each kernel serves a width only after it has matched torch's
 operations value for value there (:func:`_tree_rounds_match`, :func:`_children_draws_match`), in this process at
 this thread count; it leaves laws that are not finite and non-negative with mass to torch, and the choice never
-changes a value. ``cpu_rounds.ENABLED`` switches these kernels too.
+changes a value. ``cpu_rounds.ENABLED`` switches these kernels too (the accepted path's K/V move,
+``TargetStream.move``, is a copy and not checked; ``SPECRAY_DECODE_KERNEL=0`` turns every kernel off).
 """
 
 from __future__ import annotations

@@ -41,7 +41,7 @@ bool write_blocks(at::Tensor& storage, const at::Tensor& x, const at::Tensor& ro
 // layer's K, or V), rows [r] and source, dest [r, k] int64: storage[l, rows[i], h, dest[i, j]] takes what
 // storage[l, rows[i], h, source[i, j]] held before the call, for every l, i, j, h (every source read before any
 // write: a destination may be another slot's source). Returns false, moving nothing, on any other layout or an
-// index out of range (the caller's indexed copy then runs, and refuses the latter).
+// index out of range (the caller's indexed copy then runs).
 bool move_slots(at::Tensor& storage, const at::Tensor& rows, const at::Tensor& source, const at::Tensor& dest) {
   if (!storage.device().is_cpu() || !rows.device().is_cpu() || !source.device().is_cpu() ||
       !dest.device().is_cpu() || storage.scalar_type() != at::kFloat || rows.scalar_type() != at::kLong ||

@@ -4,7 +4,8 @@
 // eagle_loop.draw_children_torch (children without replacement from the drafter's law). torch's decision scores
 // every child of every internal node as if reached (about 60 operations a round) and a level's draws take about
 // 8 operations per child slot, most of a tree round's time outside the model calls at batch 1; here a row walks
-// its one path. specray/methods/discrete/cpu_rounds.py compares each kernel with torch's operations before using it.
+// its one path. specray/methods/discrete/cpu_tree_rounds.py compares each kernel with torch's operations before
+// using it.
 #include "kernels.h"
 #include "round_math.h"
 
@@ -40,8 +41,9 @@ struct Tree {
 };
 
 // What the tree round takes: P [rows, N + 1, V] and Q [rows, I, V] float32 contiguous with regular rows that have
-// mass, 4 <= V < 256; tokens [rows, N + 1] int64 within V, valid [rows, N + 1] bool, u_accept [rows, N + 1] and
-// u_residual [rows] float64; the tree's tables consistent with those sizes; all on the CPU.
+// mass, 4 <= V < 256; tokens [rows, N + 1] int64 within V, valid [rows, N + 1] bool, u_accept [rows, N + 1] not
+// negative and u_residual [rows] float64; the tree's tables consistent with those sizes; all on the CPU. (torch
+// passes a child whose pass probability is 0, absent or not drafted, at a negative uniform; the walk skips them.)
 bool serves_tree(const at::Tensor& P, const at::Tensor& Q, const at::Tensor& tokens, const at::Tensor& valid,
                  const at::Tensor& u_accept, const at::Tensor& u_residual, const Tree& tree) {
   if (P.dim() != 3 || Q.dim() != 3 || tokens.dim() != 2 || valid.dim() != 2 || u_accept.dim() != 2 ||
@@ -72,6 +74,12 @@ bool serves_tree(const at::Tensor& P, const at::Tensor& Q, const at::Tensor& tok
   if (!all_within(tokens, 0, n) || !all_within(tree.child_nodes, 0, nodes) ||
       !all_within(tree.internal_of, -1, internal) || !all_within(tree.path_to, 0, nodes)) {
     return false;
+  }
+  const auto ua = u_accept.accessor<double, 2>();
+  for (int64_t b = 0; b < rows; ++b) {
+    for (int64_t v = 0; v < nodes; ++v) {
+      if (ua[b][v] < 0.0) return false;
+    }
   }
   return regular_rows(P) && regular_rows(Q);
 }
@@ -134,6 +142,7 @@ TreeOutputs decide_tree(const at::Tensor& P, const at::Tensor& Q, const at::Tens
         q_left[token] = 0.0;
       }
       if (passed < 0) break;  // every child failed (or none was drafted): the correction from p
+      if (depths[passed] <= depths[node]) return kNotServed;  // tables that are not a tree: torch's walk stops
       node = passed;
     }
     n_accepted.data_ptr<int64_t>()[b] = depths[node];
