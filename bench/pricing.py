@@ -107,7 +107,10 @@ class InterleavedTimer:
     """Per-call costs of several calls, timed a few at a time between other work (:meth:`step`),
     cycling through the calls: on a shared machine each call's timings then sample the same
     stretches of drift as the work around them. Each timing is of as many back-to-back calls as
-    fill about ``seconds`` (at least one, calibrated on the first calls after a warm-up)."""
+    fill about ``seconds`` (at least one, calibrated on the first calls after a warm-up), after one
+    untimed call: a cost is that of a call back to back with its own kind, as the definition of the
+    prices says. (Without it a call taking ``seconds`` or more was timed alone, first after the other
+    work: at batch 32 a target call then took 1.2x what it takes after one of its kind.)"""
 
     def __init__(self, calls: dict[str, Callable[[], object]], device: torch.device, seconds: float = 0.02,
                  grad_mode: Callable[[], contextlib.AbstractContextManager] = torch.inference_mode) -> None:
@@ -127,7 +130,7 @@ class InterleavedTimer:
             key = self._keys[self._next % len(self._keys)]
             self._next += 1
             with self.grad_mode():
-                timing = time_call(self.calls[key], self.device, self.repeat[key], timings=1, warmup=0)
+                timing = time_call(self.calls[key], self.device, self.repeat[key], timings=1, warmup=1)
             for clock, t in timing.items():
                 self.times[clock][key].append(t)
 
