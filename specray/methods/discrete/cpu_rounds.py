@@ -124,15 +124,16 @@ def _rounds_match(name: str, decide: Callable, width: int) -> bool:
 _CHECKS = {"sample_categorical": _draws_match, **{name: functools.partial(_rounds_match, name) for name in _ROUND_CASES}}
 
 
-def kernel(name: str, width: int) -> Callable | None:
-    """The kernel ``name`` (``sample_categorical`` or one of :data:`ROUND_KERNELS`) if it gives torch's values at
-    ``width`` at this thread count, else None (checked once per kernel, thread count and width,
-    :func:`~specray.models.cpu_kernels.checked`)."""
-    return cpu_kernels.checked(name, width, _CHECKS[name]) if ENABLED else None
+def kernel(name: str, width: int, checks: dict[str, Callable] | None = None) -> Callable | None:
+    """The kernel ``name`` (``sample_categorical`` or one of :data:`ROUND_KERNELS`; another module's, with its
+    ``checks``) if it gives torch's values at ``width`` at this thread count, else None (checked once per kernel,
+    thread count and width, :func:`~specray.models.cpu_kernels.checked`)."""
+    return cpu_kernels.checked(name, width, (checks or _CHECKS)[name]) if ENABLED else None
 
 
-def _fast(name: str, probs: torch.Tensor) -> Callable | None:
-    return kernel(name, probs.shape[-1]) if ENABLED and probs.device.type == "cpu" else None
+def _fast(name: str, probs: torch.Tensor, checks: dict[str, Callable] | None = None) -> Callable | None:
+    """:func:`kernel` for laws ``probs`` (their width), on a CPU only."""
+    return kernel(name, probs.shape[-1], checks) if ENABLED and probs.device.type == "cpu" else None
 
 
 def sample_categorical(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:

@@ -22,7 +22,6 @@ import torch
 
 from specray import rng
 from specray.methods.discrete import cpu_rounds
-from specray.models import cpu_kernels
 
 # Each rule's tree kernel (LANTERN with its G* residual only, as on chains).
 TREE_ROUND_KERNELS = {"sd": "tree_round", "cool_sd": "tree_round", "uniform_rsd": "tree_round",
@@ -136,12 +135,8 @@ _CHECKS = {"draw_children": _children_draws_match,
 
 def kernel(name: str, width: int) -> Callable | None:
     """The kernel ``name`` (``draw_children`` or one of :data:`TREE_ROUND_KERNELS`) if it gives torch's values at
-    ``width`` at this thread count, else None (checked once per kernel, thread count and width)."""
-    return cpu_kernels.checked(name, width, _CHECKS[name]) if cpu_rounds.ENABLED else None
-
-
-def _fast(name: str, probs: torch.Tensor) -> Callable | None:
-    return kernel(name, probs.shape[-1]) if cpu_rounds.ENABLED and probs.device.type == "cpu" else None
+    ``width`` at this thread count, else None (:func:`~specray.methods.discrete.cpu_rounds.kernel`)."""
+    return cpu_rounds.kernel(name, width, _CHECKS)
 
 
 def tree_tables(index) -> tuple[torch.Tensor, ...]:
@@ -165,7 +160,7 @@ def decide_tree(rule: str, extra: tuple | None, index, P: torch.Tensor, Q: torch
     """``(n_accepted, path, next_token)`` of :func:`~specray.methods.discrete.tree_rules.verify_tree` by the rule's
     tree kernel (``extra`` from :func:`tree_round_arguments`), or None where it does not serve the round."""
     name = TREE_ROUND_KERNELS.get(rule)
-    fast = _fast(name, P) if name is not None and extra is not None else None
+    fast = cpu_rounds._fast(name, P, _CHECKS) if name is not None and extra is not None else None
     out = None if fast is None else fast(P, Q, tokens, valid, u_accept, u_residual, *tree_tables(index), *extra)
     return None if out is None or out[0] is None else out
 
@@ -175,5 +170,5 @@ def draw_children(q: torch.Tensor, u: torch.Tensor, node_tokens: torch.Tensor, n
     """One level's children into ``node_tokens`` / ``node_valid`` by the kernel, as
     :func:`~specray.methods.discrete.eagle_loop.draw_children_torch` draws them; False (nothing written) where it
     does not serve the call."""
-    fast = _fast("draw_children", q)
+    fast = cpu_rounds._fast("draw_children", q, _CHECKS)
     return fast is not None and fast(q, u, node_tokens, node_valid, nodes, kids)
