@@ -270,7 +270,8 @@ def _call_of_shape(role: str, n: int, rows: int, batch: int, pairs: dict[str, Mo
         max_len = gpt.target.max_seq_len + (0 if (role, n) == ("target", 1) else gamma + 1)
         # One stream per position: on a CPU a GPT's cache grows with its calls (KVCache.reserve) and a call reads
         # every slot its cache holds, so a call at position 8 on a cache grown for position 56 read 4x the slots
-        # the loop's call there does (at batch 32 target_only's calls were priced 1.33x, now 1.18x, their in-run time).
+        # the loop's call there does (at batch 32 target_only's calls were priced 1.33x their in-run time, 1.18x with a
+        # cache per position; 1.03x since each timing also follows a call of its own kind, InterleavedTimer.step).
         streams = [GuidedModel(model, batch, sampling, max_len) for _ in spread]
         full = rows == batch
         return lambda: [stream.forward(idx, tok, pos, all_rows=full, prefix=False) for stream, pos in zip(streams, spread)]

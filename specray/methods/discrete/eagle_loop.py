@@ -119,12 +119,14 @@ class TargetStream(_Streams):
                                          prefix=prefix)
         return self.process(self.model.output(hidden).float()), hidden
 
-    def keep_features(self, idx: torch.Tensor, slots: torch.Tensor, hidden: torch.Tensor) -> None:
-        """Store hidden states ``[rows, k, D]`` at ``slots [r, k]`` of the samples ``idx``."""
-        self.features[self.cache_rows(idx)[:, None], self.both(slots)] = hidden.to(self.features.dtype)
+    def keep_features(self, idx: torch.Tensor, slots: torch.Tensor, hidden: torch.Tensor, paired: bool = False) -> None:
+        """Store hidden states ``[rows, k, D]`` at ``slots [r, k]`` of the samples ``idx`` (``[rows, k]`` if ``paired``)."""
+        self.features[self.cache_rows(idx)[:, None], slots if paired else self.both(slots)] = hidden.to(
+            self.features.dtype)
 
     def read_features(self, idx: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-        return self.features[self.cache_rows(idx)[:, None], self.both(slots)]
+        """Hidden states ``[rows, k, D]`` at ``slots [rows, k]`` (given for every cache row) of the samples ``idx``."""
+        return self.features[self.cache_rows(idx)[:, None], slots]
 
     def move(self, idx: torch.Tensor, source: torch.Tensor, dest: torch.Tensor, hidden: torch.Tensor) -> None:
         """Move K/V of slots ``source [r, k]`` to ``dest [r, k]`` and store ``hidden [rows, k, D]`` at ``dest``."""
@@ -178,16 +180,16 @@ def _slot_ranges(span: int, first: int, device: torch.device) -> tuple[torch.Ten
     return slots, slots >= first
 
 
-def _catch_up(head: HeadStream, target: TargetStream, idx: torch.Tensor, n: torch.Tensor, tokens: torch.Tensor,
+def _catch_up(head: HeadStream, target: TargetStream, idx: torch.Tensor, n_rows: torch.Tensor, tokens: torch.Tensor,
               window: int, span: int) -> tuple[torch.Tensor, torch.Tensor]:
     """1. CATCH UP to position ``n``: the first draft's law ``[r, V]`` and the head's prediction there ``[rows, D]``.
-    ``span``: the round's attention span (past ``n``)."""
+    ``n_rows``: ``n`` of every cache row (``head.both(n)``); ``span``: the round's attention span (past ``n``)."""
     # n - window + 1 + arange(window): integer sums, so one add of a cached offset row gives the same positions
-    positions = (n[:, None] + _window_offsets(window, n.device)).clamp(min=1)
-    fed = tokens.gather(1, positions - 1)  # image token s - 1 is fed at position s
-    features = target.read_features(idx, positions - 1)
-    q, predicted = head.probs(idx, features, fed, positions, positions,
-                              _causal(positions, span, first=1))
+    positions = (n_rows[:, None] + _window_offsets(window, n_rows.device)).clamp(min=1)
+    before = positions - 1  # image token s - 1 is fed at position s
+    features = target.read_features(idx, before)
+    q, predicted = head.probs(idx, features, tokens.gather(1, before[: tokens.shape[0]]), positions, positions,
+                              _causal(positions, span, first=1), paired=True)
     return q[:, -1], predicted[:, -1]
 
 
@@ -218,23 +220,29 @@ def _chain(method: Method, params: Speculative, pair: ModelPair, labels: torch.T
         u = uniforms.round(it, rnd.idx, rnd.positions[:, :gamma])
         # Every call of the round sees no slot past the verify's last position: one span for all of them.
         span = attention_span(rnd.positions, target.cache.max_len)  # the cache's slots: max_len rounded up on a CPU
-        q, predicted = _catch_up(head, target, rnd.idx, rnd.n, rnd.tokens, gamma + 1, span)
+        # The round's positions and masks for every cache row (cond rows, then uncond), built once: the verify
+        # reads them whole, each head step its column (the head has no position 0).
+        n_rows = head.both(rnd.n)
+        positions = n_rows[:, None] + steps
+        visible = _causal(positions, span)
+        head_visible = visible & _slot_ranges(span, 1, device)[1]
+        q, predicted = _catch_up(head, target, rnd.idx, n_rows, rnd.tokens, gamma + 1, span)
         # Per-step columns split off once, the laws and drafts stacked once (fewer ops than indexing).
-        later_positions = rnd.positions[:, 1:gamma, None].unbind(1)  # [r, 1] columns, one op (split costs more)
+        step_positions = positions[:, 1:gamma, None].unbind(1)  # [rows, 1] columns, one op (split costs more)
+        step_visible = head_visible[:, 1:gamma, None].unbind(1)  # [rows, 1, span]
         qs, ds = [], []
         for i, u_draft in enumerate(u[:, :, 0:1].unbind(1)):
             if i:
-                positions = later_positions[i - 1]
-                q, out = head.probs(rnd.idx, predicted[:, None], ds[-1], positions, positions,
-                                    _causal(positions, span, first=1))
+                at = step_positions[i - 1]
+                q, out = head.probs(rnd.idx, predicted[:, None], ds[-1], at, at, step_visible[i - 1], paired=True)
                 q, predicted = q[:, 0], out[:, 0]
             qs.append(q)
             ds.append(cpu_rounds.sample_categorical_keepdim(q, u_draft))  # [r, 1]: the next step's fed column
         drafts, Q = torch.cat(ds, dim=1), torch.stack(qs, dim=1)
         rnd.tokens.scatter_(1, rnd.positions[:, :gamma], drafts)
-        P, hidden = target.probs(rnd.idx, rnd.tokens.gather(1, rnd.fed_positions), rnd.positions, rnd.positions,
-                                 _causal(rnd.positions, span))
-        target.keep_features(rnd.idx, rnd.positions, hidden)
+        P, hidden = target.probs(rnd.idx, rnd.tokens.gather(1, rnd.fed_positions), positions, positions, visible,
+                                 paired=True)
+        target.keep_features(rnd.idx, positions, hidden, paired=True)
         n_acc, next_token = _decide(verifier, rnd, P, Q, drafts, u[:, :, 1], u[:, 0, 2])
         _commit_tokens(rnd.idx, rnd.full, rnd.n, n_acc, next_token, rnd.tokens, tokens, committed)
         tally.observe_prefix(None if rnd.full else rnd.idx, rnd.positions[:, :gamma], rnd.n_drafts, n_acc)
@@ -453,7 +461,7 @@ def _tree(params: Speculative, pair: ModelPair, labels: torch.Tensor, sample_ids
         span = attention_span(slots, target.cache.max_len)  # every call of the round: the whole tree's slots
         visible = plan.visible(n_rows, span)
         head_visible = visible & _slot_ranges(span, 1, device)[1]  # the head has no position 0
-        q, predicted = _catch_up(head, target, idx, n, row_tokens, depth + 1, span)
+        q, predicted = _catch_up(head, target, idx, n_rows, row_tokens, depth + 1, span)
         qs, predicted = [q[:, None]], predicted[:, None]  # per depth: the laws [r, L, V], the predictions [rows, L, D]
         plan.draw_children(0, qs[0], u_draft, node_tokens, node_valid)
         for t in range(1, depth):
@@ -480,7 +488,7 @@ def _tree(params: Speculative, pair: ModelPair, labels: torch.Tensor, sample_ids
         accepted = depth_steps[None] < n_acc[:, None]
         dest = n[:, None] + 1 + depth_steps
         row_tokens.scatter_(1, torch.where(accepted, dest - 1, n[:, None] + depth), node_tokens.gather(1, path))
-        target.keep_features(idx, n[:, None], hidden[:, :1])
+        target.keep_features(idx, n_rows[:, None], hidden[:, :1], paired=True)
         kept = torch.where(accepted, slots[:r].gather(1, path), dest)  # rejected depths move onto themselves
         path_rows = torch.arange(hidden.shape[0], device=device)[:, None]
         target.move(idx, kept, dest, hidden[path_rows, head.both(path)])
