@@ -197,3 +197,43 @@ def test_batched_equals_single_rows() -> None:
             xr, sr = speculative_chain(make_chain(), x0[r : r + 1], ids[r : r + 1], seed=9, drafter=drafter, verification=verification, rejection="residual", gamma=4)
             torch.testing.assert_close(xr[0], xb[r], rtol=0, atol=1e-12)
             assert sr.rounds[0] == sb.rounds[r] and sr.target_calls[0] == sb.target_calls[r]
+
+
+@pytest.mark.parametrize("verification", ["token", "block"])
+@pytest.mark.parametrize("noise_with_round", [True, False])
+def test_residual_draws_keyed_by_round_and_resampled_step(monkeypatch: pytest.MonkeyPatch, verification: str,
+                                                          noise_with_round: bool) -> None:
+    """A cut row's psi_alpha draws are streams "residual" (u, in (0, 1]) and "residual_noise" (zeta) at position =
+    the round and step = the step it resamples (module docstring), whichever slot that is and however the loop
+    draws them (with the round's other streams for every slot, or zeta for the cut rows alone). 40 rows,
+    gamma 5, seed 6."""
+    from specray import rng
+    from specray.methods.diffusion import loop
+
+    monkeypatch.setattr(loop, "RESIDUAL_NOISE_WITH_ROUND", loop.RESIDUAL_NOISE_WITH_ROUND if noise_with_round else 0)
+
+    seen: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = []
+    original_resample, original_sample = loop._resample, loop.sample_residual
+    where: dict[str, torch.Tensor] = {}
+
+    def resample(chain, rnd, cut, Y, E, Delta, xi, verdict, *rest):
+        where["ids"] = ids[rnd.label_rows[cut]]
+        where["position"] = torch.full_like(cut, rnd.index)
+        where["step"] = rnd.kk[cut] + verdict.tau[cut]
+        return original_resample(chain, rnd, cut, Y, E, Delta, xi, verdict, *rest)
+
+    def sample_residual(m_q, Delta, sigma, log_alpha, u, zeta):
+        seen.append((where["ids"], where["position"], where["step"], u, zeta))
+        return original_sample(m_q, Delta, sigma, log_alpha, u, zeta)
+
+    monkeypatch.setattr(loop, "_resample", resample)
+    monkeypatch.setattr(loop, "sample_residual", sample_residual)
+    x0, ids = start_states(40)
+    speculative_chain(make_chain(), x0, ids, seed=6, drafter="model", verification=verification, rejection="residual",
+                      gamma=5)
+    assert len(seen) > 5 and len({int(s.min()) for _, _, s, _, _ in seen}) > 3  # many rounds, many steps
+    for sample_ids, position, step, u, zeta in seen:
+        expected_u = 1.0 - rng.uniform(6, sample_ids, "residual", position=position, step=step)
+        expected_zeta = rng.normal(6, sample_ids, "residual_noise", position=position, step=step, shape=(D,),
+                                   dtype=torch.float64)
+        assert torch.equal(u, expected_u) and torch.equal(zeta, expected_zeta)

@@ -26,6 +26,7 @@ network calls; ``extra``: ``states_evaluated`` (target states, CFG not doubled),
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -45,6 +46,9 @@ DRAFTERS = ("frozen", "free", "model")
 VERIFICATIONS = ("token", "block")
 REJECTIONS = ("reflection", "residual")
 RESIDUAL_ALPHAS = ("w_tau", "one")  # "one" is the wrong rule, kept only as a negative control
+# A round draws psi_alpha's noise for all its slots with its other draws while that is at most this many
+# elements (small states: the draw calls cost more than the elements); past it, for its cut rows alone.
+RESIDUAL_NOISE_WITH_ROUND = 1 << 16
 
 EpsFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -154,7 +158,7 @@ def speculative_chain(
     # the free drafter's eps: each row's target eps of the state preceding its current one
     stale = torch.zeros_like(x) if drafter == "free" else None
     stats = ChainStats(batch, gamma, K, device)
-    keys = _StreamKeys(seed, sample_ids)
+    keys = _StreamKeys(seed, sample_ids, residual=rejection == "residual")
     tables = torch.stack([chain.A, chain.B, chain.sigma])  # [3, K], gathered once per round
     all_rows = torch.arange(batch, device=device)
     k_host = np.zeros(batch, dtype=np.int64)
@@ -169,7 +173,7 @@ def speculative_chain(
         rnd = _new_round(index, act, all_rows, k, gamma, np.minimum(gamma, K - k_host[active]), frozen, tables, stats)
         row_stale = stale if stale is None else _rows(stale, act)
         x_new, stale_new, k_new, tau_host = _round(chain, rnd, _rows(x, act), row_stale, keys, stats, drafter,
-                                                   verification, rejection, residual_alpha)
+                                                   verification, residual_alpha)
         if act is None:
             x, stale, k = x_new, stale_new, k_new
         else:
@@ -188,12 +192,33 @@ def speculative_chain(
 
 class _StreamKeys:
     """The per-row hashes of (seed, sample id, stream) of the speculative streams, made once per run
-    (``rng.stream_hash``); a round mixes in its position and steps (``rng.extend_hash``)."""
+    (``rng.stream_hash``); a round mixes in its position and steps (``rng.extend_hash``).
 
-    def __init__(self, seed: int, sample_ids: torch.Tensor) -> None:
-        hashes = lambda *streams: torch.stack([rng.stream_hash(seed, sample_ids, s) for s in streams])  # noqa: E731
-        self.draft_accept = hashes("draft", "accept")  # [2, batch]
-        self.residual = hashes("residual", "residual_noise")  # [2, batch]
+    Streams "draft", "accept" and, with ``residual`` (the residual sampler ψ_α), "residual" and
+    "residual_noise". A cut row's ψ_α draw is keyed by the round and the step it resamples, a slot's step,
+    so a round keys it for every slot with the others (:class:`_ResidualDraws`)."""
+
+    def __init__(self, seed: int, sample_ids: torch.Tensor, residual: bool) -> None:
+        self.residual = residual
+        streams = ("draft", "accept", "residual", "residual_noise") if residual else ("draft", "accept")
+        self.hashes = torch.stack([rng.stream_hash(seed, sample_ids, s) for s in streams])  # [streams, batch]
+
+
+@dataclass
+class _ResidualDraws:
+    """ψ_α's draws at every slot of a round: the uniforms ``u [n, G]``, and the normals ``zeta [n, G, ...]``
+    where the round drew them, else their keys ``noise [n, G]`` (draws are elementwise in their keys: the
+    same values either way, and as drawing for the cut rows alone)."""
+
+    u: torch.Tensor
+    noise: torch.Tensor
+    zeta: torch.Tensor | None
+
+    def at(self, rows: torch.Tensor, slots: torch.Tensor, shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+        """``u [r]`` and ``zeta [r, *shape]`` of slot ``slots[i]`` of row ``rows[i]``."""
+        if self.zeta is not None:
+            return self.u[rows, slots], self.zeta[rows, slots]
+        return self.u[rows, slots], rng.normal_at(self.noise[rows, slots], shape, dtype=torch.float64)
 
 
 @dataclass
@@ -240,14 +265,19 @@ def _rows(t: torch.Tensor, act: torch.Tensor | None) -> torch.Tensor:
 
 
 def _round(chain: GaussianChain, rnd: _Round, y0: torch.Tensor, stale: torch.Tensor | None, keys: _StreamKeys,
-           stats: ChainStats, drafter: str, verification: str, rejection: str, residual_alpha: str):
+           stats: ChainStats, drafter: str, verification: str, residual_alpha: str):
     """Draft, verify and commit one round; returns the rows' new states, stale eps (``stale`` given: the free
     drafter), steps, and tau (host)."""
     n, G, shape = y0.shape[0], rnd.G, tuple(y0.shape[1:])
     coef = rnd.coef.reshape(3, n, G, *([1] * len(shape)))
-    draws = rng.extend_hash(keys.draft_accept[:, rnd.label_rows, None], rnd.index, rnd.steps)  # [2, n, G]
-    xi = rng.normal_at(draws[0], shape, dtype=torch.float64)
-    eta = 1.0 - rng.uniform_at(draws[1])
+    # draft, accept[, residual, residual_noise]: one hash, one normal and one uniform call for them all
+    draws = rng.extend_hash(keys.hashes[:, rnd.label_rows, None], rnd.index, rnd.steps)  # [streams, n, G]
+    noise_with_round = keys.residual and n * G * math.prod(shape) <= RESIDUAL_NOISE_WITH_ROUND
+    normals = rng.normal_at(draws[0::3] if noise_with_round else draws[:1], shape, dtype=torch.float64)
+    uniforms = 1.0 - rng.uniform_at(draws[1:3])  # in (0, 1]
+    xi, eta = normals[0], uniforms[0]
+    residual_draws = (_ResidualDraws(uniforms[1], draws[3], normals[1] if noise_with_round else None)
+                      if keys.residual else None)
 
     E = torch.zeros((n, G) + shape, dtype=y0.dtype, device=y0.device)  # target eps of each drafted state
     if rnd.frozen:  # the Frozen round's sequential call at the round start
@@ -273,7 +303,7 @@ def _round(chain: GaussianChain, rnd: _Round, y0: torch.Tensor, stale: torch.Ten
     cut = np.flatnonzero(tau_host < rnd.g_host)
     if cut.size:
         cut_rows = _on(y0.device, cut)
-        x_new[cut_rows] = _resample(chain, rnd, cut_rows, Y, E, Delta, xi, verdict, keys, rejection,
+        x_new[cut_rows] = _resample(chain, rnd, cut_rows, Y, E, Delta, xi, verdict, residual_draws,
                                     residual_alpha).to(y0.dtype)
     rejected = tau < rnd.g
     if stale is not None:  # eps of the state preceding the new one (spec 2.3)
@@ -361,20 +391,19 @@ def _verify_states(chain: GaussianChain, rnd: _Round, Y: torch.Tensor, E: torch.
 
 
 def _resample(chain: GaussianChain, rnd: _Round, cut: torch.Tensor, Y: torch.Tensor, E: torch.Tensor,
-              Delta: torch.Tensor, xi: torch.Tensor, verdict: Verdict, keys: _StreamKeys, rejection: str,
-              residual_alpha: str) -> torch.Tensor:
+              Delta: torch.Tensor, xi: torch.Tensor, verdict: Verdict,
+              residual_draws: _ResidualDraws | None, residual_alpha: str) -> torch.Tensor:
     """The new state of the rows ``cut`` whose block was cut at slot tau: a draw from the residual of the
-    target and draft kernels out of ``y_tau`` (or the reflection of the rejected draft), in float64."""
+    target and draft kernels out of ``y_tau`` with the slot's ``residual_draws``, or without them the
+    reflection of the rejected draft; in float64."""
     t_c = verdict.tau[cut]
     k_c = rnd.kk[cut] + t_c
     m_q = _mean(chain, Y[cut, t_c], E[cut, t_c], k_c)
     sigma_c = chain.sigma[k_c]
-    if rejection == "reflection":
+    if residual_draws is None:
         return reflect(m_q, Delta[cut, t_c], sigma_c, xi[cut, t_c])
     log_alpha = verdict.log_alpha[cut] if residual_alpha == "w_tau" else torch.zeros_like(verdict.log_alpha[cut])
-    draws = rng.extend_hash(keys.residual[:, rnd.label_rows[cut]], rnd.index, k_c)  # [2, cut rows]
-    u = 1.0 - rng.uniform_at(draws[0])
-    zeta = rng.normal_at(draws[1], Y.shape[2:], dtype=torch.float64)
+    u, zeta = residual_draws.at(cut, t_c, tuple(Y.shape[2:]))
     return sample_residual(m_q, Delta[cut, t_c], sigma_c, log_alpha, u, zeta)
 
 
