@@ -262,6 +262,7 @@ class _OneElement(threading.local):
     def __init__(self) -> None:
         with torch.inference_mode(False):  # a thread's first draw may come inside inference mode, later ones not
             self.buffer = torch.zeros((), dtype=torch.float64)
+        self.memory = self.buffer.numpy()  # the buffer's element, set and read without a torch call
 
 
 _one_element = _OneElement()  # per thread: the loops of two threads may solve at once
@@ -269,8 +270,12 @@ _one_element = _OneElement()  # per thread: the loops of two threads may solve a
 
 def _on_one(op: Callable[[torch.Tensor], torch.Tensor], x: float) -> float:
     """``op`` (in place where torch has that: the same kernel as its out-of-place twin) on a 1-element
-    float64 tensor holding ``x``; a reused tensor costs a third of a new one."""
-    return op(_one_element.buffer.fill_(x)).item()
+    float64 tensor holding ``x``: a reused tensor costs a third of a new one, and setting and reading its
+    element through NumPy costs a quarter of ``fill_`` and ``item``."""
+    one = _one_element
+    one.memory[()] = x
+    out = op(one.buffer)
+    return float(one.memory) if out is one.buffer else out.item()
 
 
 def _clamp_max(x: float, bound: float) -> float:
