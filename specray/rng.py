@@ -8,16 +8,21 @@ share exactly the noise a method needs by asking for the same key.
 
 The hash is SplitMix64's finaliser applied to the key fields one at a time. It
 runs as int64 tensor arithmetic (multiplication wraps modulo 2**64 on every
-torch backend), so draws are made on the device that uses them.
+torch backend), so draws are made on the device that uses them; on a CPU, once
+the process has loaded specray's kernels (:mod:`specray.models.cpu_kernels`, which
+a loop's first kernel call loads), the finaliser is one call of theirs with the
+same bits.
 """
 
 from __future__ import annotations
 
 import math
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
+
+from specray.models import cpu_kernels
 
 # SplitMix64 constants, written as signed int64.
 _GOLDEN = 0x9E3779B97F4A7C15 - (1 << 64)
@@ -54,6 +59,12 @@ def _xor_shr(z: torch.Tensor, k: int) -> None:
 
 
 def _mix(z: torch.Tensor) -> torch.Tensor:
+    kernel = _mix_kernel(z)
+    mixed = kernel(z) if kernel is not None else None
+    return mixed if mixed is not None else _mix_torch(z)
+
+
+def _mix_torch(z: torch.Tensor) -> torch.Tensor:
     z = z + _GOLDEN_T
     _xor_shr(z, 30)
     z *= _MUL1_T
@@ -61,6 +72,28 @@ def _mix(z: torch.Tensor) -> torch.Tensor:
     z *= _MUL2_T
     _xor_shr(z, 31)
     return z
+
+
+def _mix_kernel(z: torch.Tensor) -> Callable | None:
+    """specray's C++ finaliser for a CPU tensor where this process has loaded the kernels already (the hash never
+    builds nor loads them: a reducer or a driver that only draws keeps torch's operations), else None."""
+    if not z.is_cpu or cpu_kernels.loaded() is None or not cpu_kernels.ENABLED or torch.compiler.is_compiling():
+        return None
+    return cpu_kernels.checked("splitmix", 0, _kernel_matches)
+
+
+def _kernel_matches(kernel: Callable, _size: int) -> bool:
+    """Whether ``kernel`` gives :func:`_mix_torch`'s bits: the extremes of int64, the constants, and 4,096 keys from
+    seed 0, contiguous, transposed, one and none."""
+    generator = torch.Generator().manual_seed(0)
+    extremes = torch.tensor([0, 1, -1, (1 << 63) - 1, -(1 << 63), _GOLDEN, _MUL1, _MUL2])
+    keys = torch.cat([extremes, torch.randint(-(1 << 63), (1 << 63) - 1, (4088,), generator=generator)])
+    cases = (keys, keys.reshape(64, 64).t(), keys[3], keys[:0])
+    return all(_same(kernel(x), _mix_torch(x)) for x in cases)
+
+
+def _same(got: torch.Tensor | None, want: torch.Tensor) -> bool:
+    return got is not None and got.shape == want.shape and torch.equal(got, want)
 
 
 _U64 = (1 << 64) - 1

@@ -123,3 +123,68 @@ def test_sample_categorical_unnormalised_and_edges():
     out = rng.sample_categorical(probs, u)
     assert out.tolist() == [1, 3]
     assert rng.sample_categorical(probs, torch.zeros(2, dtype=torch.float64)).tolist() == [1, 0]
+
+
+def _finaliser_kernel():
+    """specray's C++ finaliser where it built and matched torch's operations here (loading the kernels)."""
+    import pytest
+
+    from specray.models import cpu_kernels
+
+    if cpu_kernels.extension() is None or rng._mix_kernel(torch.zeros(1, dtype=torch.int64)) is None:
+        pytest.skip("the CPU kernels did not build here (see the log)")
+    return rng._mix_kernel(torch.zeros(1, dtype=torch.int64))
+
+
+def test_the_finaliser_kernel_gives_the_torch_operations_bits():
+    """Keys from seed 3 (not the check's), contiguous, strided, broadcast views and 0-dim: the kernel's bits are
+    ``_mix_torch``'s, and ``_mix`` (which takes it once the kernels are loaded) draws the scalar reference's."""
+    kernel = _finaliser_kernel()
+    keys = torch.randint(-(1 << 63), (1 << 63) - 1, (6, 50, 7), generator=torch.Generator().manual_seed(3))
+    for x in (keys, keys[:, ::3], keys.transpose(0, 2), keys[0, :1].expand(9, 7), keys[2, 4, 5]):
+        assert torch.equal(kernel(x), rng._mix_torch(x))
+        assert torch.equal(rng._mix(x), rng._mix_torch(x))
+    assert rng.random_bits(11, [90], "accept", 7, 5, shape=(2,))[0, 1] == _splitmix_reference(11, 90, "accept", 7, 5, 1)
+
+
+def test_a_finaliser_that_differs_is_refused():
+    """Negative controls for the check: arithmetic instead of logical shifts, and a missing last xor-shift."""
+
+    def arithmetic_shifts(z: torch.Tensor) -> torch.Tensor:
+        z = z + rng._GOLDEN
+        z = (z ^ (z >> 30)) * rng._MUL1
+        z = (z ^ (z >> 27)) * rng._MUL2
+        return z ^ (z >> 31)
+
+    def no_last_shift(z: torch.Tensor) -> torch.Tensor:
+        z = z + rng._GOLDEN
+        z = (z ^ rng._shr(z, 30)) * rng._MUL1
+        return (z ^ rng._shr(z, 27)) * rng._MUL2
+
+    assert rng._kernel_matches(rng._mix_torch, 0)
+    assert not rng._kernel_matches(arithmetic_shifts, 0) and not rng._kernel_matches(no_last_shift, 0)
+
+
+def test_draws_are_the_same_with_and_without_the_kernels(monkeypatch):
+    _finaliser_kernel()
+    ids = torch.arange(40)
+    with_kernel = (rng.uniform(5, ids, "draft", position=3, step=ids[:, None], shape=(3,)),
+                   rng.normal(5, ids, "eps", shape=(4, 4), dtype=torch.float64))
+    from specray.models import cpu_kernels
+
+    monkeypatch.setattr(cpu_kernels, "ENABLED", False)
+    assert rng._mix_kernel(ids) is None
+    without = (rng.uniform(5, ids, "draft", position=3, step=ids[:, None], shape=(3,)),
+               rng.normal(5, ids, "eps", shape=(4, 4), dtype=torch.float64))
+    assert all(torch.equal(a, b) for a, b in zip(with_kernel, without))
+
+
+def test_drawing_never_builds_nor_loads_the_kernels():
+    """A process that only draws (a reducer's bootstrap, a driver) keeps torch's operations: no build, no load."""
+    import subprocess
+    import sys
+
+    code = ("import torch\nfrom specray import rng\nfrom specray.models import cpu_kernels\n"
+            "rng.uniform(1, torch.arange(5), 'x', shape=(3,)); rng.normal(1, [2], 'y', shape=(2,))\n"
+            "assert cpu_kernels.loaded() is None and 'module' not in cpu_kernels._built\n")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

@@ -37,6 +37,7 @@ import torch
 from specray import rng
 from specray.families import Method, resolve
 from specray.methods.common import GenerationResult, RoundTally, SampleStats, bind_conditions
+from specray.methods.diffusion import cpu_draft
 from specray.methods.diffusion.params import Common, Speculative
 from specray.methods.diffusion.residual import reflect, sample_residual
 from specray.methods.diffusion.rules import Verdict, block_verify, log_ratio, token_verify
@@ -339,20 +340,18 @@ def _draft(chain: GaussianChain, rnd: _Round, coef: torch.Tensor, y0: torch.Tens
     (``sigma xi``, and ``B eps`` for a fixed eps) is computed for all slots at once.
     """
     model, affine = drafter == "model", chain.clipped_mean is None
+    if not model:
+        eps64 = fixed_eps.to(torch.float64)
+        if affine:  # every step affine in the state with a fixed eps: one kernel call on a CPU
+            return cpu_draft.affine_states(y0, coef, eps64, xi), eps64[:, None]
     A, B, noise = coef[0].unbind(1), coef[1].unbind(1), (coef[2] * xi).unbind(1)
     if model:
         eps_draft = torch.zeros((y0.shape[0], rnd.G) + tuple(y0.shape[1:]), dtype=y0.dtype, device=y0.device)
-    else:
-        eps64 = fixed_eps.to(torch.float64)
-        drift = (coef[1] * eps64[:, None]).unbind(1) if affine else None  # B eps of every slot
     ys, y64 = [y0], y0.to(torch.float64)
     for j in range(rnd.G):
         if model:
             eps64 = _draft_call(chain, rnd, j, ys[j], eps_draft)
-        if not affine:
-            mean = _mean(chain, y64, eps64, rnd.steps[:, j])
-        else:
-            mean = A[j] * y64 + (B[j] * eps64 if model else drift[j])
+        mean = A[j] * y64 + B[j] * eps64 if affine else _mean(chain, y64, eps64, rnd.steps[:, j])
         ys.append((mean + noise[j]).to(y0.dtype))
         y64 = ys[-1].to(torch.float64)
     return torch.stack(ys, dim=1), eps_draft.to(torch.float64) if model else eps64[:, None]

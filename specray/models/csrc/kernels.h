@@ -79,3 +79,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> lantern_tree_round(
 // columns kids [slots, L] (parents [L]: the level's nodes); false, with nothing written, where it does not serve.
 bool draw_children(const at::Tensor& q, const at::Tensor& u, at::Tensor& node_tokens, at::Tensor& node_valid,
                    const at::Tensor& parents, const at::Tensor& kids);
+
+// The states a diffusion round drafts with a fixed eps, Y [n, G + 1, ...] from y0 [n, ...] (float32 or float64),
+// coef [3, n, G] (A, B, sigma), eps [n, ...] and xi [n, G, ...] (float64), all contiguous, with the values of
+// torch's operations (gaussian_draft.cpp); false, with nothing written, where the call is not one it serves.
+bool draft_affine(at::Tensor& Y, const at::Tensor& y0, const at::Tensor& coef, const at::Tensor& eps,
+                  const at::Tensor& xi);
+
+// SplitMix64's finaliser of every element of an int64 CPU tensor, a new contiguous tensor with the bits of
+// specray/rng.py's _mix (splitmix.cpp); an undefined tensor where the call is not one it serves.
+at::Tensor splitmix(const at::Tensor& keys);

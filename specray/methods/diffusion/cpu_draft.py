@@ -1,0 +1,81 @@
+"""The states a speculative diffusion round drafts with a fixed eps (the Frozen and Free drafters on an affine
+chain): torch's operations, or on a CPU one call of specray's kernels with their values.
+
+A drafted step is ``y_{j+1} = A_j y_j + B_j eps + sigma_j xi_j`` in float64, rounded to the state's dtype. At
+batch 1 the γ steps are ~40 torch operations of a few microseconds of dispatch each, a tenth of a round's own
+work; ``csrc/gaussian_draft.cpp`` makes them in one call. Every product and sum rounds once, in the order of
+:func:`affine_states_torch` (the kernel is built without fused multiply-adds), so the values are the same by
+construction; the kernel still serves only after matching torch's operations value for value in the process
+(:func:`_kernel_matches`), and where the extension is off or not built (:mod:`~specray.models.cpu_kernels`)
+torch's operations run. ``ENABLED`` switches the kernel for an A/B comparison.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from specray.models import cpu_kernels
+
+ENABLED = cpu_kernels.ENABLED
+
+
+def affine_states(y0: torch.Tensor, coef: torch.Tensor, eps: torch.Tensor, xi: torch.Tensor) -> torch.Tensor:
+    """The drafted states ``Y [n, G+1, ...]`` (``Y[:, 0] = y0``, the state's dtype) from ``y0 [n, ...]``, the
+    steps' coefficients ``coef [3, n, G, 1...]`` (A, B, sigma; float64), the fixed ``eps [n, ...]`` and the
+    draft noise ``xi [n, G, ...]`` (float64)."""
+    kernel = _kernel(y0)
+    if kernel is not None:
+        Y = torch.empty((y0.shape[0], coef.shape[2] + 1) + tuple(y0.shape[1:]), dtype=y0.dtype)
+        if kernel(Y, y0.contiguous(), coef, eps.contiguous(), xi):  # a Frozen round's eps is a column of E
+            return Y
+    return affine_states_torch(y0, coef, eps, xi)
+
+
+def affine_states_torch(y0: torch.Tensor, coef: torch.Tensor, eps: torch.Tensor, xi: torch.Tensor) -> torch.Tensor:
+    """:func:`affine_states` by torch's operations: what does not depend on the previous state (``sigma xi`` and
+    ``B eps``) for all slots at once, then ``(A y + B eps) + sigma xi`` slot by slot."""
+    A, drift, noise = coef[0].unbind(1), (coef[1] * eps[:, None]).unbind(1), (coef[2] * xi).unbind(1)
+    ys, y64 = [y0], y0.to(torch.float64)
+    for j in range(len(A)):
+        ys.append((A[j] * y64 + drift[j] + noise[j]).to(y0.dtype))
+        y64 = ys[-1].to(torch.float64)
+    return torch.stack(ys, dim=1)
+
+
+def _kernel(y0: torch.Tensor) -> Callable | None:
+    if not ENABLED or not y0.is_cpu or torch.compiler.is_compiling():
+        return None
+    return cpu_kernels.checked("draft_affine", 0, _kernel_matches)
+
+
+def _kernel_matches(kernel: Callable, _size: int) -> bool:
+    """Whether ``kernel`` gives :func:`affine_states_torch`'s values (NaN where it gives NaN): float32 and float64
+    states of 1 and 4 rows, 1 and 7 slots, 15 and 64 elements, from seed 0, with states past float32's range,
+    subnormal products and NaN noise among them."""
+    generator = torch.Generator().manual_seed(0)
+    for dtype in (torch.float32, torch.float64):
+        for n, G, shape in ((1, 7, (1, 8, 8)), (4, 1, (3, 5)), (4, 7, (3, 5))):
+            y0 = (torch.randn((n,) + shape, generator=generator, dtype=torch.float64) * 3).to(dtype)
+            y0.view(-1)[0] = 3e38 if dtype == torch.float32 else 1e308  # steps past the dtype's range
+            coef = torch.stack([torch.rand(n, G, generator=generator, dtype=torch.float64) + 0.5,
+                                torch.randn(n, G, generator=generator, dtype=torch.float64),
+                                torch.rand(n, G, generator=generator, dtype=torch.float64)])
+            coef[1, 0, 0] = 1e-300  # subnormal drifts
+            coef = coef.reshape((3, n, G) + (1,) * len(shape))
+            eps = torch.randn((n,) + shape, generator=generator, dtype=torch.float64)
+            xi = torch.randn((n, G) + shape, generator=generator, dtype=torch.float64)
+            xi.view(-1)[-1] = float("nan")
+            Y = torch.empty((n, G + 1) + shape, dtype=dtype)
+            want = affine_states_torch(y0, coef, eps, xi)
+            if not kernel(Y, y0, coef, eps, xi) or not _same_values(Y, want):
+                return False
+    return True
+
+
+def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal bit for bit, but NaN for NaN (its payload is the hardware's)."""
+    ints = {2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
+    nan = a.isnan()
+    return bool(torch.equal(nan, b.isnan()) and torch.equal(a.view(ints)[~nan], b.view(ints)[~nan]))

@@ -1,0 +1,130 @@
+"""The diffusion rounds' drafted states on a CPU (specray/methods/diffusion/cpu_draft.py): the kernel's values are
+torch's operations' wherever it serves a call, torch's operations run everywhere else, a kernel that rounds or
+orders otherwise is refused by the check, and the loops' samples are the same with and without it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specray.methods.diffusion import cpu_draft, loop
+from tests.test_diffusion_chain import make_chain, start_states
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    found = cpu_draft._kernel(torch.zeros(1))
+    if found is None:
+        pytest.skip("the CPU kernels did not build or did not match torch's operations here (see the log)")
+    return found
+
+
+def _inputs(n: int, G: int, shape: tuple[int, ...], dtype: torch.dtype, seed: int):
+    generator = torch.Generator().manual_seed(seed)
+    y0 = (torch.randn((n,) + shape, generator=generator, dtype=torch.float64) * 2).to(dtype)
+    coef = torch.stack([torch.rand(n, G, generator=generator, dtype=torch.float64) * 1.5,
+                        torch.randn(n, G, generator=generator, dtype=torch.float64),
+                        torch.rand(n, G, generator=generator, dtype=torch.float64)]).reshape((3, n, G) + (1,) * len(shape))
+    eps = torch.randn((n,) + shape, generator=generator, dtype=torch.float64)
+    xi = torch.randn((n, G) + shape, generator=generator, dtype=torch.float64)
+    return y0, coef, eps, xi
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("n, G, shape", [(1, 7, (1, 8, 8)), (2, 3, (4,)), (33, 1, (2, 3, 5)), (5, 12, (3, 16, 16))])
+def test_kernel_gives_torchs_values(kernel, dtype: torch.dtype, n: int, G: int, shape: tuple[int, ...]) -> None:
+    """Another grid than the check's (seed 7): rows, slots and state shapes, with states near the dtype's range
+    (steps that overflow to inf), zero coefficients and NaN noise among them."""
+    y0, coef, eps, xi = _inputs(n, G, shape, dtype, seed=7)
+    y0.view(-1)[-1] = torch.finfo(dtype).max / 2
+    coef[0, -1, 0] = 0.0
+    xi.view(-1)[n * G // 2] = float("nan")
+    Y = torch.full((n, G + 1) + shape, 7.0, dtype=dtype)
+    assert kernel(Y, y0, coef, eps, xi)
+    assert cpu_draft._same_values(Y, cpu_draft.affine_states_torch(y0, coef, eps, xi))
+    assert cpu_draft._same_values(cpu_draft.affine_states(y0, coef, eps, xi), Y)
+
+
+def test_calls_the_kernel_does_not_serve_go_to_torch(kernel) -> None:
+    """Strided inputs, a half-precision state, float32 noise: the kernel writes nothing and ``affine_states`` gives
+    torch's values; coefficients of another shape: nothing written."""
+    y0, coef, eps, xi = _inputs(3, 4, (2, 5), torch.float32, seed=1)
+    wide = torch.randn(3, 4, 2, 10, dtype=torch.float64)
+    cases = {
+        "strided noise": (y0, coef, eps, wide[..., ::2]),
+        "strided state": (torch.randn(3, 2, 10)[..., ::2], coef, eps, xi),
+        "half state": (y0.half(), coef, eps, xi),
+        "float32 noise": (y0, coef, eps, xi.float()),
+    }
+    for name, (s0, c, e, x) in cases.items():
+        Y = torch.full((3, 5, 2, 5), 7.0, dtype=s0.dtype)
+        assert not kernel(Y, s0, c, e, x), name
+        assert torch.all(Y == 7.0), name
+        got, want = cpu_draft.affine_states(s0, c, e, x), cpu_draft.affine_states_torch(s0, c, e, x)
+        assert got.dtype == s0.dtype and cpu_draft._same_values(got, want), name
+    Y = torch.full((3, 5, 2, 5), 7.0)
+    assert not kernel(Y, y0, coef[:2], eps, xi) and not kernel(Y, y0, coef[:, :2], eps, xi)  # not [3, n, G]
+    assert torch.all(Y == 7.0)
+
+
+def test_kernels_that_round_or_order_otherwise_are_refused() -> None:
+    """Negative controls for the check: the step's sum in another order, the noise added in float32, no rounding
+    to the state's dtype between steps."""
+
+    def write(Y: torch.Tensor, states: torch.Tensor) -> bool:
+        Y.copy_(states)
+        return True
+
+    def other_order(Y, y0, coef, eps, xi):
+        A, drift, noise = coef[0].unbind(1), (coef[1] * eps[:, None]).unbind(1), (coef[2] * xi).unbind(1)
+        ys = [y0]
+        for j in range(len(A)):
+            ys.append((A[j] * ys[-1].double() + (drift[j] + noise[j])).to(y0.dtype))
+        return write(Y, torch.stack(ys, dim=1))
+
+    def float32_noise(Y, y0, coef, eps, xi):
+        return write(Y, cpu_draft.affine_states_torch(y0, coef, eps, xi.float().double()))
+
+    def no_rounding(Y, y0, coef, eps, xi):
+        A, drift, noise = coef[0].unbind(1), (coef[1] * eps[:, None]).unbind(1), (coef[2] * xi).unbind(1)
+        ys, y64 = [y0.double()], y0.double()
+        for j in range(len(A)):
+            y64 = A[j] * y64 + drift[j] + noise[j]
+            ys.append(y64)
+        return write(Y, torch.stack(ys, dim=1).to(y0.dtype))
+
+    assert cpu_draft._kernel_matches(lambda Y, *args: write(Y, cpu_draft.affine_states_torch(*args)), 0)
+    for wrong in (other_order, float32_noise, no_rounding):
+        assert not cpu_draft._kernel_matches(wrong, 0), wrong.__name__
+
+
+@pytest.mark.parametrize("drafter, verification", [("frozen", "block"), ("free", "block"), ("free", "token")])
+def test_chains_are_the_same_with_and_without_the_kernel(kernel, monkeypatch: pytest.MonkeyPatch, drafter: str,
+                                                         verification: str) -> None:
+    """The linear-Gaussian chain (float64 states, 300 rows, seed 2) and the digits DDPM (float32, 3 samples, K 30):
+    the same states and statistics with the kernel and with torch's operations."""
+    from specray.models.diffusion import load_pair
+
+    pair = load_pair("digits-ddpm", None, "cpu")
+    x0, ids = start_states(300)
+    params = {"num_steps": 30, "drafter": drafter, "gamma": 5}
+    method = f"spec_{verification}"
+    runs, served = [], []
+    original = cpu_draft._kernel
+
+    def spied(y0: torch.Tensor):
+        found = original(y0)
+        return None if found is None else lambda *args: served.append(found(*args)) or served[-1]
+
+    monkeypatch.setattr(cpu_draft, "_kernel", spied)
+    for enabled in (True, False):
+        monkeypatch.setattr(cpu_draft, "ENABLED", enabled)
+        x, stats = loop.speculative_chain(make_chain(), x0, ids, seed=2, drafter=drafter, verification=verification,
+                                          rejection="residual", gamma=5)
+        with torch.inference_mode():
+            result = loop.run_batch(method, params, pair, torch.tensor([1, 4, 9]), torch.tensor([0, 5, 11]), 3)
+        runs.append((x, stats.rounds, stats.accepted, result.images, [vars(s) for s in result.stats]))
+    (x, rounds, accepted, images, sample_stats), (x_t, rounds_t, accepted_t, images_t, sample_stats_t) = runs
+    assert torch.equal(x, x_t) and torch.equal(rounds, rounds_t) and torch.equal(accepted, accepted_t)
+    assert torch.equal(images, images_t) and sample_stats == sample_stats_t
+    assert len(served) > 10 and all(served)  # every round of the kernel's run was drafted by it
