@@ -41,6 +41,7 @@ from specray.methods.diffusion import cpu_draft
 from specray.methods.diffusion.params import Common, Speculative
 from specray.methods.diffusion.residual import reflect, sample_residual
 from specray.methods.diffusion.rules import Verdict, block_verify, log_ratio, token_verify
+from specray.models import cpu_kernels
 
 FAMILY = "diffusion"
 DRAFTERS = ("frozen", "free", "model")
@@ -451,6 +452,8 @@ def run_batch(method: str | Method, params: Any, pair, labels: torch.Tensor, sam
     device = pair.device
     sample_ids = sample_ids.to(device)
     labels = bind_conditions(labels, pair)
+    if device.type == "cpu":  # specray's kernels (the drafts', and the draws' hash, which never loads them itself)
+        cpu_kernels.extension()
     chain, steps = model_chain(pair, params, labels)
     x = rng.normal(seed, sample_ids, "x_T", shape=pair.info["image_shape"], device=device, dtype=torch.float32)
     batch, K = x.shape[0], steps.num_steps
