@@ -83,8 +83,8 @@ def _mix_kernel(z: torch.Tensor) -> Callable | None:
 
 
 def _kernel_matches(kernel: Callable, _size: int) -> bool:
-    """Whether ``kernel`` gives :func:`_mix_torch`'s bits: the extremes of int64, the constants, and 4,096 keys from
-    seed 0, contiguous, transposed, one and none."""
+    """Whether ``kernel`` gives :func:`_mix_torch`'s bits on 4,096 keys (the extremes of int64, the constants and
+    4,088 from seed 0), contiguous, transposed, one and none."""
     generator = torch.Generator().manual_seed(0)
     extremes = torch.tensor([0, 1, -1, (1 << 63) - 1, -(1 << 63), _GOLDEN, _MUL1, _MUL2])
     keys = torch.cat([extremes, torch.randint(-(1 << 63), (1 << 63) - 1, (4088,), generator=generator)])

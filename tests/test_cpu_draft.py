@@ -8,14 +8,16 @@ import pytest
 import torch
 
 from specray.methods.diffusion import cpu_draft, loop
+from specray.models import cpu_kernels
 from tests.test_diffusion_chain import make_chain, start_states
 
 
 @pytest.fixture(scope="module")
 def kernel():
+    if cpu_kernels.extension() is None:
+        pytest.skip("the CPU kernels did not build here (see the log)")
     found = cpu_draft._kernel(torch.zeros(1))
-    if found is None:
-        pytest.skip("the CPU kernels did not build or did not match torch's operations here (see the log)")
+    assert found is not None, "the draft kernel built but did not give torch's values (see the log)"
     return found
 
 
@@ -96,6 +98,42 @@ def test_kernels_that_round_or_order_otherwise_are_refused() -> None:
     assert cpu_draft._kernel_matches(lambda Y, *args: write(Y, cpu_draft.affine_states_torch(*args)), 0)
     for wrong in (other_order, float32_noise, no_rounding):
         assert not cpu_draft._kernel_matches(wrong, 0), wrong.__name__
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_drafted_states_are_the_samplers_own_steps(kernel, dtype: torch.dtype) -> None:
+    """Each drafted state is ``loop._step`` (the step every sampler takes, target_only's too) of the one before at
+    its row's step: 5 rows at steps 0-4 of a 12-step chain with random coefficients, 7 slots, seed 4; the kernel's
+    states and torch's, bit for bit."""
+    generator = torch.Generator().manual_seed(4)
+    K, n, G, shape = 12, 5, 7, (1, 8, 8)
+    tables = [torch.rand(K, generator=generator, dtype=torch.float64) + 0.3 for _ in range(3)]
+    chain = loop.GaussianChain(A=tables[0], B=tables[1] - 0.8, sigma=tables[2], target_eps=None)
+    k = torch.arange(n)
+    steps = (k[:, None] + torch.arange(G)).clamp(max=K - 1)
+    coef = torch.stack([chain.A, chain.B, chain.sigma])[:, steps].reshape((3, n, G) + (1,) * len(shape))
+    y0 = torch.randn((n,) + shape, generator=generator, dtype=torch.float64).to(dtype)
+    eps = torch.randn((n,) + shape, generator=generator, dtype=torch.float64)
+    xi = torch.randn((n, G) + shape, generator=generator, dtype=torch.float64)
+    Y = torch.empty((n, G + 1) + shape, dtype=dtype)
+    assert kernel(Y, y0, coef, eps, xi)
+    for states in (Y, cpu_draft.affine_states_torch(y0, coef, eps, xi)):
+        y = y0
+        for j in range(G):
+            y = loop._step(chain, y, eps, steps[:, j], xi[:, j])
+            assert cpu_draft._same_values(states[:, j + 1].contiguous(), y)
+
+
+def test_large_rounds_go_to_torch(kernel, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past ``KERNEL_MAX_ELEMENTS`` drafted elements torch's operations (every intra-op thread) draft: the kernel
+    is not called, and the values are the same."""
+    y0, coef, eps, xi = _inputs(4, 7, (3, 8, 8), torch.float32, seed=2)
+    calls = []
+    monkeypatch.setattr(cpu_draft, "_kernel", lambda y: calls.append(1) or kernel)
+    small = cpu_draft.affine_states(y0, coef, eps, xi)
+    monkeypatch.setattr(cpu_draft, "KERNEL_MAX_ELEMENTS", xi.numel() - 1)
+    large = cpu_draft.affine_states(y0, coef, eps, xi)
+    assert len(calls) == 1 and cpu_draft._same_values(small, large)
 
 
 @pytest.mark.parametrize("drafter, verification", [("frozen", "block"), ("free", "block"), ("free", "token")])

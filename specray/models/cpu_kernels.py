@@ -40,7 +40,8 @@ BUILD_NOTICE_S = 5.0  # a load taking longer compiled the extension (a cached on
 
 _lock = threading.Lock()
 _built: dict[str, ModuleType | None] = {}
-_check_lock = threading.Lock()  # not _lock: a check builds the extension first
+# Not _lock: a check builds the extension first. Reentrant: a check that draws (specray.rng) checks the hash's kernel.
+_check_lock = threading.RLock()
 _checked: dict[tuple[str, int, int], bool] = {}  # (function, threads, size): it gave torch's values
 
 

@@ -2,8 +2,8 @@
 chain): torch's operations, or on a CPU one call of specray's kernels with their values.
 
 A drafted step is ``y_{j+1} = A_j y_j + B_j eps + sigma_j xi_j`` in float64, rounded to the state's dtype. At
-batch 1 the γ steps are ~40 torch operations of a few microseconds of dispatch each, a tenth of a round's own
-work; ``csrc/gaussian_draft.cpp`` makes them in one call. Every product and sum rounds once, in the order of
+batch 1 the γ = 7 steps are ~40 torch operations, about 60 µs of dispatch (a twentieth of a round's own work);
+``csrc/gaussian_draft.cpp`` makes them in one call of about 3 µs. Every product and sum rounds once, in the order of
 :func:`affine_states_torch` (the kernel is built without fused multiply-adds), so the values are the same by
 construction; the kernel still serves only after matching torch's operations value for value in the process
 (:func:`_kernel_matches`), and where the extension is off or not built (:mod:`~specray.models.cpu_kernels`)
@@ -19,13 +19,16 @@ import torch
 from specray.models import cpu_kernels
 
 ENABLED = cpu_kernels.ENABLED
+# Past this many drafted elements torch's operations, which use every intra-op thread, take over from the kernel
+# (one thread; it serves small rounds, where dispatch is the cost).
+KERNEL_MAX_ELEMENTS = 1 << 18
 
 
 def affine_states(y0: torch.Tensor, coef: torch.Tensor, eps: torch.Tensor, xi: torch.Tensor) -> torch.Tensor:
     """The drafted states ``Y [n, G+1, ...]`` (``Y[:, 0] = y0``, the state's dtype) from ``y0 [n, ...]``, the
     steps' coefficients ``coef [3, n, G, 1...]`` (A, B, sigma; float64), the fixed ``eps [n, ...]`` and the
     draft noise ``xi [n, G, ...]`` (float64)."""
-    kernel = _kernel(y0)
+    kernel = _kernel(y0) if xi.numel() <= KERNEL_MAX_ELEMENTS else None
     if kernel is not None:
         Y = torch.empty((y0.shape[0], coef.shape[2] + 1) + tuple(y0.shape[1:]), dtype=y0.dtype)
         if kernel(Y, y0.contiguous(), coef, eps.contiguous(), xi):  # a Frozen round's eps is a column of E
@@ -52,8 +55,8 @@ def _kernel(y0: torch.Tensor) -> Callable | None:
 
 def _kernel_matches(kernel: Callable, _size: int) -> bool:
     """Whether ``kernel`` gives :func:`affine_states_torch`'s values (NaN where it gives NaN): float32 and float64
-    states of 1 and 4 rows, 1 and 7 slots, 15 and 64 elements, from seed 0, with states past float32's range,
-    subnormal products and NaN noise among them."""
+    states of 1 and 4 rows, 1 and 7 slots, 15 and 64 elements, from seed 0, with states past the dtype's range,
+    subnormal drifts and NaN noise among them."""
     generator = torch.Generator().manual_seed(0)
     for dtype in (torch.float32, torch.float64):
         for n, G, shape in ((1, 7, (1, 8, 8)), (4, 1, (3, 5)), (4, 7, (3, 5))):
@@ -62,7 +65,7 @@ def _kernel_matches(kernel: Callable, _size: int) -> bool:
             coef = torch.stack([torch.rand(n, G, generator=generator, dtype=torch.float64) + 0.5,
                                 torch.randn(n, G, generator=generator, dtype=torch.float64),
                                 torch.rand(n, G, generator=generator, dtype=torch.float64)])
-            coef[1, 0, 0] = 1e-300  # subnormal drifts
+            coef[1, 0, 0] = 1e-310  # subnormal drifts B eps
             coef = coef.reshape((3, n, G) + (1,) * len(shape))
             eps = torch.randn((n,) + shape, generator=generator, dtype=torch.float64)
             xi = torch.randn((n, G) + shape, generator=generator, dtype=torch.float64)
