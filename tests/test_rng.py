@@ -1,11 +1,15 @@
 """Counter-based randomness: keyed, batch-independent, and statistically sound."""
 
 import math
+import subprocess
+import sys
 
+import pytest
 import torch
 from scipy import stats
 
 from specray import rng
+from specray.models import cpu_kernels
 
 
 def test_draws_do_not_depend_on_batch_companions():
@@ -127,10 +131,6 @@ def test_sample_categorical_unnormalised_and_edges():
 
 def _finaliser_kernel():
     """specray's C++ finaliser where it built and matched torch's operations here (loading the kernels)."""
-    import pytest
-
-    from specray.models import cpu_kernels
-
     if cpu_kernels.extension() is None:
         pytest.skip("the CPU kernels did not build here (see the log)")
     found = rng._mix_kernel(torch.zeros(1, dtype=torch.int64))
@@ -172,8 +172,6 @@ def test_draws_are_the_same_with_and_without_the_kernels(monkeypatch):
     ids = torch.arange(40)
     with_kernel = (rng.uniform(5, ids, "draft", position=3, step=ids[:, None], shape=(3,)),
                    rng.normal(5, ids, "eps", shape=(4, 4), dtype=torch.float64))
-    from specray.models import cpu_kernels
-
     monkeypatch.setattr(cpu_kernels, "ENABLED", False)
     assert rng._mix_kernel(ids) is None
     without = (rng.uniform(5, ids, "draft", position=3, step=ids[:, None], shape=(3,)),
@@ -183,9 +181,6 @@ def test_draws_are_the_same_with_and_without_the_kernels(monkeypatch):
 
 def test_drawing_never_builds_nor_loads_the_kernels():
     """A process that only draws (a reducer's bootstrap, a driver) keeps torch's operations: no build, no load."""
-    import subprocess
-    import sys
-
     code = ("import torch\nfrom specray import rng\nfrom specray.models import cpu_kernels\n"
             "rng.uniform(1, torch.arange(5), 'x', shape=(3,)); rng.normal(1, [2], 'y', shape=(2,))\n"
             "assert cpu_kernels.loaded() is None and 'module' not in cpu_kernels._built\n")

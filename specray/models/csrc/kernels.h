@@ -1,4 +1,5 @@
-// specray's CPU kernels for the discrete models' decode steps and verify calls, one extension
+// specray's CPU kernels for the discrete models' decode steps and verify calls, the speculative rounds, the
+// diffusion rounds' drafted states and the draws' hash, one extension
 // (specray/models/cpu_kernels.py builds it; bindings.cpp exposes these to Python).
 #pragma once
 // Only the ATen headers the kernels use: torch/extension.h (all of torch and pybind11) costs ~30 s of
