@@ -16,7 +16,10 @@ from dataclasses import dataclass
 
 import torch
 
+from specray.methods.diffusion import block_host
 from specray.methods.diffusion.residual import DELTA_MIN, all_or_none, any_of, log1mexp, log_residual_mass
+
+BLOCK_ON_HOST = True  # False: a CPU round's block verification runs on tensors too (the tests' reference)
 
 
 @dataclass
@@ -80,7 +83,7 @@ def _block_weights(log_rho: torch.Tensor, delta: torch.Tensor, g: torch.Tensor, 
         log_rho = torch.where(tiny, torch.zeros_like(log_rho), log_rho)
     # Past g, log rho = 0 keeps w: log w is +0 or negative, so min(0, log w + 0) is log w, bit for bit.
     if log_rho.is_cpu:  # the same IEEE additions and clamps on Python floats, not 2 G ops on n-element columns
-        log_w = torch.tensor([_running_log_w(row) for row in _keep(valid, all_valid, log_rho).tolist()],
+        log_w = torch.tensor([block_host.running_log_w(row) for row in _keep(valid, all_valid, log_rho).tolist()],
                              dtype=torch.float64).reshape(n, G + 1)
     else:
         log_rho_cols = _keep(valid, all_valid, log_rho).unbind(1)
@@ -102,22 +105,15 @@ def _block_weights(log_rho: torch.Tensor, delta: torch.Tensor, g: torch.Tensor, 
     return log_w, h
 
 
-def _running_log_w(log_rho: list[float]) -> list[float]:
-    """``[0, min(0, 0 + r_1), ...]``: the columns of log w for one row, as ``torch.clamp(w + r, max=0)``
-    makes them (which keeps w, -0.0 and NaN included, unless ``w > 0``)."""
-    out = [0.0]
-    for r in log_rho:
-        w = out[-1] + r
-        out.append(0.0 if w > 0.0 else w)
-    return out
-
-
 def block_verify(log_rho: torch.Tensor, delta: torch.Tensor, g: torch.Tensor, eta: torch.Tensor) -> Verdict:
     """Block verification (S25 Algorithm 2 with the Gaussian closed form of R_i, spec 5.1).
 
     ``eta[:, j]`` is the coin of index ``i = j + 1`` (``eta_0 = 0``, so ``tau = 0`` always qualifies);
     ``tau = max{i in 0..g : eta_i <= h_i}``; the residual at the cut has weight ``alpha = w_tau``.
+    CPU tensors are verified on the host (:mod:`~specray.methods.diffusion.block_host`, the same bits).
     """
+    if BLOCK_ON_HOST and log_rho.is_cpu:
+        return Verdict(*block_host.block_verify(log_rho, delta, g, eta))
     n, G = log_rho.shape
     valid = _valid(g, G)
     all_valid = all_or_none(valid)
