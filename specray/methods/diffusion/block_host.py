@@ -8,7 +8,7 @@ between rounds evict the operations' code). Here every +, -, *, /, comparison an
 array's own memory (NumPy's and Python's differ from torch's in the last bit): erfc, log, exp, expm1, log1p
 give the same bits on any shape; ``sigmoid`` runs on the same ``[n, G]`` shape as the tensor path's, since
 its vectorised and scalar kernels differ. Each function mirrors its tensor twin in ``residual.py`` or
-``rules.py`` op for op; tests/test_diffusion_chain.py compares the two paths bit for bit.
+``rules.py`` op for op; tests/test_diffusion_block_host.py compares the two paths bit for bit.
 """
 
 from __future__ import annotations
@@ -108,7 +108,7 @@ def running_log_w(log_rho: list[float]) -> list[float]:
     return out
 
 
-def block_weights(log_rho: Array, delta: Array, g: Array) -> tuple[Array, Array]:
+def block_weights(log_rho: Array, delta: Array, g: Array) -> tuple[Array, Array, Array]:
     """:func:`~specray.methods.diffusion.rules.block_weights` (``log w``, ``h``; both ``[n, G+1]``) and the
     mask of drafted slots ``[n, G]``."""
     n, G = log_rho.shape
