@@ -43,8 +43,8 @@ def test_kernel_gives_torchs_values(kernel, dtype: torch.dtype, n: int, G: int, 
     xi.view(-1)[n * G // 2] = float("nan")
     Y = torch.full((n, G + 1) + shape, 7.0, dtype=dtype)
     assert kernel(Y, y0, coef, eps, xi)
-    assert cpu_draft._same_values(Y, cpu_draft.affine_states_torch(y0, coef, eps, xi))
-    assert cpu_draft._same_values(cpu_draft.affine_states(y0, coef, eps, xi), Y)
+    assert cpu_kernels.same_values(Y, cpu_draft.affine_states_torch(y0, coef, eps, xi))
+    assert cpu_kernels.same_values(cpu_draft.affine_states(y0, coef, eps, xi), Y)
 
 
 def test_calls_the_kernel_does_not_serve_go_to_torch(kernel) -> None:
@@ -63,7 +63,7 @@ def test_calls_the_kernel_does_not_serve_go_to_torch(kernel) -> None:
         assert not kernel(Y, s0, c, e, x), name
         assert torch.all(Y == 7.0), name
         got, want = cpu_draft.affine_states(s0, c, e, x), cpu_draft.affine_states_torch(s0, c, e, x)
-        assert got.dtype == s0.dtype and cpu_draft._same_values(got, want), name
+        assert got.dtype == s0.dtype and cpu_kernels.same_values(got, want), name
     Y = torch.full((3, 5, 2, 5), 7.0)
     assert not kernel(Y, y0, coef[:2], eps, xi) and not kernel(Y, y0, coef[:, :2], eps, xi)  # not [3, n, G]
     assert torch.all(Y == 7.0)
@@ -121,7 +121,7 @@ def test_drafted_states_are_the_samplers_own_steps(kernel, dtype: torch.dtype) -
         y = y0
         for j in range(G):
             y = loop._step(chain, y, eps, steps[:, j], xi[:, j])
-            assert cpu_draft._same_values(states[:, j + 1].contiguous(), y)
+            assert cpu_kernels.same_values(states[:, j + 1].contiguous(), y)
 
 
 def test_large_rounds_go_to_torch(kernel, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -133,7 +133,7 @@ def test_large_rounds_go_to_torch(kernel, monkeypatch: pytest.MonkeyPatch) -> No
     small = cpu_draft.affine_states(y0, coef, eps, xi)
     monkeypatch.setattr(cpu_draft, "KERNEL_MAX_ELEMENTS", xi.numel() - 1)
     large = cpu_draft.affine_states(y0, coef, eps, xi)
-    assert len(calls) == 1 and cpu_draft._same_values(small, large)
+    assert len(calls) == 1 and cpu_kernels.same_values(small, large)
 
 
 @pytest.mark.parametrize("drafter, verification", [("frozen", "block"), ("free", "block"), ("free", "token")])

@@ -181,7 +181,14 @@ def test_newton_matches_bisection() -> None:
     assert torch.max(torch.abs(newton - bisection) / (1 + bisection.abs())) < 1e-8
 
 
-def test_one_row_on_the_host_gives_the_tensor_paths_bits(monkeypatch) -> None:
+@pytest.fixture
+def python_path(monkeypatch):
+    """The one-row path on Python floats, not the C++ draws a process that loaded specray's kernels takes
+    (tests/test_residual_draw_kernel.py)."""
+    monkeypatch.setattr(residual, "_draws_kernel", lambda delta: None)
+
+
+def test_one_row_on_the_host_gives_the_tensor_paths_bits(monkeypatch, python_path) -> None:
     """A one-row draw (``ONE_ROW_ON_HOST``: the Newton solve on Python floats, the transcendentals by torch
     on one element) against the same draw on 1-element tensors, bit for bit: 1,500 random (alpha, delta, u)
     (seed 41; delta and -log alpha log-normal over many decades, alpha = 1 for a tenth, u = 1 for 25 and
@@ -207,7 +214,7 @@ def test_one_row_on_the_host_gives_the_tensor_paths_bits(monkeypatch) -> None:
     assert int((c < -30).sum()) > 100 and sum(x < -600 for x in a) > 20
 
 
-def test_one_row_on_the_host_is_taken_only_for_one_cpu_row(monkeypatch) -> None:
+def test_one_row_on_the_host_is_taken_only_for_one_cpu_row(monkeypatch, python_path) -> None:
     calls = []
     real = residual._sample_psi_one_row
     monkeypatch.setattr(residual, "_sample_psi_one_row", lambda *args: calls.append(args) or real(*args))
@@ -219,7 +226,7 @@ def test_one_row_on_the_host_is_taken_only_for_one_cpu_row(monkeypatch) -> None:
     assert len(calls) == 2
 
 
-def test_one_row_on_the_host_in_a_new_thread_inside_and_outside_inference_mode() -> None:
+def test_one_row_on_the_host_in_a_new_thread_inside_and_outside_inference_mode(python_path) -> None:
     """The host path's scratch tensor is per thread and made outside inference mode, so a thread whose
     first draw runs inside ``torch.inference_mode`` can draw outside it later."""
     import threading
@@ -237,7 +244,7 @@ def test_one_row_on_the_host_in_a_new_thread_inside_and_outside_inference_mode()
     assert len(results) == 2 and torch.equal(results[0], results[1])
 
 
-def test_one_row_on_the_host_at_the_edges(monkeypatch) -> None:
+def test_one_row_on_the_host_at_the_edges(monkeypatch, python_path) -> None:
     """Zero, subnormal, huge, infinite and NaN inputs (336 combinations of delta, log alpha and u, in and
     out of the sampler's domain): the host path gives the tensor path's bits, and never raises where it
     does not (delta = 0 takes the tensor path: Python's division by zero would raise)."""

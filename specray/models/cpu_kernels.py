@@ -31,7 +31,7 @@ NAME = "specray_cpu_kernels"
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = tuple(CSRC / name for name in ("bindings.cpp", "decode_attention.cpp", "cache_write.cpp", "rms_norm.cpp",
                                                  "rounds.cpp", "tree_rounds.cpp", "gaussian_draft.cpp",
-                                                 "splitmix.cpp"))
+                                                 "splitmix.cpp", "residual_draw.cpp"))
 # -ffp-contract=off: only the fused multiply-adds the attention kernel writes out may fuse (its sums must
 # follow the BLAS's order); the AVX2 defines select ATen's 8-lane vector code, whose exp it reproduces.
 CFLAGS = ["-O2", "-mavx2", "-mfma", "-ffp-contract=off", "-DCPU_CAPABILITY_AVX2", "-DCPU_CAPABILITY=AVX2"]
@@ -111,3 +111,10 @@ def checked(name: str, size: int, matches: Callable[[Callable, int], bool]) -> C
                     log.info("specray CPU kernels: %s differs from torch's operations at size %d, %d threads; "
                              "using torch's there", name, size, key[1])
     return getattr(extension(), name) if _checked[key] else None
+
+
+def same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal bit for bit, but NaN for NaN (its payload is the hardware's)."""
+    ints = {2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
+    nan = a.isnan()
+    return bool(torch.equal(nan, b.isnan()) and torch.equal(a.view(ints)[~nan], b.view(ints)[~nan]))

@@ -7,9 +7,10 @@ With ``Delta = (m_p - m_q) / sigma``, ``delta = |Delta|``, ``e = Delta / delta``
 independently. ``s`` is drawn by inverse CDF (fixed 60-step bisection in log space, float64),
 so there is no network call and no random run time.
 
-All scalar math (delta, c_alpha, log Z, the bisection) is float64, as the spec requires. A single
-row's draw on the CPU (the loop's cut row at batch 1) solves on Python floats with the same bits
-(:func:`_sample_psi_one_row`).
+All scalar math (delta, c_alpha, log Z, the bisection) is float64, as the spec requires. On the CPU the
+Newton draws are one C++ call where the process has loaded specray's kernels (``csrc/residual_draw.cpp``,
+checked against the Python path before it serves), else a single row's draw (the loop's cut row at batch 1)
+solves on Python floats (:func:`_sample_psi_one_row`): the same bits either way.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ import threading
 from collections.abc import Callable
 
 import torch
+
+from specray.models import cpu_kernels
 
 # Below this normalised mean gap the two kernels are treated as identical (spec 4.5.1).
 DELTA_MIN = 1e-10
@@ -189,6 +192,11 @@ def sample_psi(delta: torch.Tensor, log_alpha: torch.Tensor, u: torch.Tensor, me
         raise ValueError(f"method must be 'newton' or 'bisection', got {method!r}")
     delta, log_alpha, u = _as_f64(delta, log_alpha, u)
     delta, log_alpha, u = torch.broadcast_tensors(delta, log_alpha, u)
+    kernel = _draws_kernel(delta) if method == "newton" and ONE_ROW_ON_HOST else None
+    if kernel is not None:
+        s = kernel(*(t.reshape(-1).contiguous() for t in (delta, log_alpha, u)), _KERNEL_CONSTANTS)
+        if s is not None:  # None: a delta of 0 (the Python path would divide by it), served below
+            return s.reshape(delta.shape)
     if method == "newton" and delta.numel() == 1 and delta.device.type == "cpu" and ONE_ROW_ON_HOST:
         row_delta = delta.item()
         if row_delta != 0.0:  # Python's division by zero raises where torch's gives inf or NaN
@@ -345,6 +353,38 @@ def _sample_psi_one_row(delta: float, log_alpha: float, u: float) -> float:
         lo = _on_one(torch.special.ndtri, _on_one(torch.Tensor.exp_, a))
     lo = _clamp_max(lo - c, 0.0)
     return c + _newton_one_row(lo, 0.0, c, delta, log_alpha, target)
+
+
+# residual_draw.cpp's constants: Python's values (a compiler would fold log and sqrt by its own rounding).
+_KERNEL_CONSTANTS = torch.tensor([_LOG_HALF, _SQRT_HALF, _HALF_LOG_2PI, _TAIL], dtype=torch.float64)
+
+
+def _draws_kernel(delta: torch.Tensor) -> Callable | None:
+    """The C++ Newton draws (``psi_draws``) for CPU tensors, where the process has loaded specray's kernels (never
+    building them here) and the kernel gave :func:`_sample_psi_one_row`'s bits in this process."""
+    if not delta.is_cpu or cpu_kernels.loaded() is None or not cpu_kernels.ENABLED or torch.compiler.is_compiling():
+        return None
+    return cpu_kernels.checked("psi_draws", 0, _draws_kernel_matches)
+
+
+def _draws_kernel_matches(kernel: Callable, _size: int) -> bool:
+    """Whether ``kernel`` gives :func:`_sample_psi_one_row`'s bits: 400 random draws (seed 3; delta and -log alpha
+    log-normal over many decades, u = 1 and u = e^(-700 U) among them: the far tails, the lower bracket end below
+    a = -600, the bisection fallback) and 240 edge combinations (subnormal, huge, infinite and NaN inputs)."""
+    gen = torch.Generator().manual_seed(3)
+    n = 400
+    delta = torch.exp(3 * torch.randn(n, dtype=torch.float64, generator=gen))
+    log_alpha = -torch.exp(3 * torch.randn(n, dtype=torch.float64, generator=gen))
+    log_alpha[:40] = 0.0
+    u = 1 - torch.rand(n, dtype=torch.float64, generator=gen)
+    u[40:50] = 1.0
+    u[50:80] = torch.exp(-700 * torch.rand(30, dtype=torch.float64, generator=gen))
+    edges = [(d, a, v) for d in (1e-300, 1e-12, 0.5, 40.0, 1e300, math.inf, math.nan)
+             for a in (0.0, -1e-300, -0.3, -50.0, -1e300, -math.inf, math.nan) for v in (1e-300, 0.3, 1.0, math.nan)]
+    rows = list(zip(delta.tolist(), log_alpha.tolist(), u.tolist())) + edges[:240]
+    got = kernel(*(torch.tensor(column, dtype=torch.float64) for column in zip(*rows)), _KERNEL_CONSTANTS)
+    want = [_sample_psi_one_row(*row) for row in rows]
+    return got is not None and cpu_kernels.same_values(got, torch.tensor(want, dtype=torch.float64))
 
 
 def _newton_one_row(lo: float, hi: float, c: float, delta: float, log_alpha: float, target: float) -> float:

@@ -22,4 +22,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("move_slots", &move_slots, "K/V slots moved within a head-major CPU cache, every layer at once");
   m.def("splitmix", &splitmix, "SplitMix64's finaliser of int64 keys with the bits of specray.rng");
   m.def("draft_affine", &draft_affine, "a diffusion round's drafted states with a fixed eps, torch's values");
+  m.def("psi_draws", &psi_draws, "the residual sampler's 1-D draws with the bits of its one-row Newton solve");
 }

@@ -90,3 +90,10 @@ bool draft_affine(at::Tensor& Y, const at::Tensor& y0, const at::Tensor& coef, c
 // SplitMix64's finaliser of every element of an int64 CPU tensor, a new contiguous tensor with the bits of
 // specray/rng.py's _mix (splitmix.cpp); an undefined tensor where the call is not one it serves.
 at::Tensor splitmix(const at::Tensor& keys);
+
+// Draws s ~ psi_alpha(.; delta) of the residual sampler, one per element of the float64 vectors delta, log_alpha
+// and u (delta nonzero), with the bits of specray/methods/diffusion/residual.py's one-row Newton solve; constants
+// (log 1/2, sqrt 1/2, log(2 pi) / 2, the tail bound 30) as residual.py has them (residual_draw.cpp). An undefined
+// tensor where the call is not one it serves, or torch was built without the routines its kernels use.
+at::Tensor psi_draws(const at::Tensor& delta, const at::Tensor& log_alpha, const at::Tensor& u,
+                     const at::Tensor& constants);

@@ -1,0 +1,125 @@
+"""The residual sampler's Newton draws in C++ (``csrc/residual_draw.cpp``, :func:`residual._draws_kernel`): the bits
+of the tensor path on one row and on many, the Python path where the kernel refuses a call, a kernel that differs
+refused by the check, and the diffusion loop's samples the same with and without it."""
+
+from __future__ import annotations
+
+import hashlib
+import math
+
+import pytest
+import torch
+
+from specray.methods.diffusion import loop, residual
+from specray.methods.diffusion.residual import sample_psi
+from specray.models import cpu_kernels
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    if cpu_kernels.extension() is None:
+        pytest.skip("the CPU kernels did not build here (see the log)")
+    found = residual._draws_kernel(torch.zeros(1))
+    assert found is not None, "the draws kernel built but did not give the Python path's bits (see the log)"
+    return found
+
+
+def draws(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Another set than the check's: delta and -log alpha log-normal over many decades, alpha = 1 for a tenth,
+    u = 1 for 25 and u = e^(-700 U) for 50 (the far tails, a < -600, the bisection fallback)."""
+    gen = torch.Generator().manual_seed(seed)
+    delta = torch.exp(3 * torch.randn(n, dtype=torch.float64, generator=gen))
+    log_alpha = -torch.exp(3 * torch.randn(n, dtype=torch.float64, generator=gen))
+    log_alpha[: n // 10] = 0.0
+    u = 1 - torch.rand(n, dtype=torch.float64, generator=gen)
+    u[n // 10 : n // 10 + 25] = 1.0
+    u[n // 10 + 25 : n // 10 + 75] = torch.exp(-700 * torch.rand(50, dtype=torch.float64, generator=gen))
+    return delta, log_alpha, u
+
+
+def on_tensors(monkeypatch, *args) -> torch.Tensor:
+    monkeypatch.setattr(residual, "ONE_ROW_ON_HOST", False)  # the tensor path, kernel and host path off
+    try:
+        return sample_psi(*args)
+    finally:
+        monkeypatch.setattr(residual, "ONE_ROW_ON_HOST", True)
+
+
+def test_one_row_draws_give_the_tensor_paths_bits(kernel, monkeypatch) -> None:
+    """1,500 one-row draws (seed 41), each a call of its own as the loop's cut row at batch 1 makes it."""
+    rows = [tuple(t[i : i + 1] for t in draws(1500, 41)) for i in range(1500)]
+    with_kernel = torch.cat([sample_psi(*row) for row in rows])
+    assert cpu_kernels.same_values(with_kernel, torch.cat([on_tensors(monkeypatch, *row) for row in rows]))
+
+
+@pytest.mark.parametrize("n", [2, 7, 300])
+def test_many_rows_give_the_tensor_paths_bits(kernel, monkeypatch, n: int) -> None:
+    """A batch's cut rows in one call (seed 43): the tensor path stops its Newton loop when every row's state has
+    recurred, the kernel row by row; both give each row's 16-step value."""
+    delta, log_alpha, u = draws(n, 43) if n > 100 else (t[:n] for t in draws(200, 43 + n))
+    got = sample_psi(delta, log_alpha, u)
+    assert got.shape == (n,) and cpu_kernels.same_values(got, on_tensors(monkeypatch, delta, log_alpha, u))
+
+
+def test_edge_inputs_give_the_tensor_paths_bits(kernel, monkeypatch) -> None:
+    """Zero, subnormal, huge, infinite and NaN inputs (336 combinations): the kernel serves every call without a
+    zero delta, bit for bit (NaN for NaN), and a call with one goes to the Python and tensor paths."""
+    deltas = [0.0, 1e-300, 1e-12, 0.5, 40.0, 1e300, math.inf, math.nan]
+    log_alphas = [0.0, -1e-300, -0.3, -50.0, -1e300, -math.inf, math.nan]
+    us = [0.0, 1e-320, 1e-300, 0.3, 1.0, math.nan]
+    cases = [(torch.tensor([d], dtype=torch.float64), torch.tensor([a], dtype=torch.float64),
+              torch.tensor([v], dtype=torch.float64)) for d in deltas for a in log_alphas for v in us]
+    got = torch.cat([sample_psi(*case) for case in cases])
+    assert cpu_kernels.same_values(got, torch.cat([on_tensors(monkeypatch, *case) for case in cases]))
+    columns = [torch.cat(column) for column in zip(*cases)]
+    assert kernel(*columns, residual._KERNEL_CONSTANTS) is None  # a zero delta among them: refused whole
+
+
+def test_calls_the_kernel_does_not_serve_are_refused(kernel) -> None:
+    one = torch.tensor([0.5], dtype=torch.float64)
+    constants = residual._KERNEL_CONSTANTS
+    assert kernel(one, one, one, constants) is not None
+    assert kernel(one.float(), one, one, constants) is None  # float32
+    assert kernel(torch.tensor([0.5, 0.6], dtype=torch.float64), one, one, constants) is None  # lengths differ
+    two = torch.full((2,), 0.5, dtype=torch.float64)
+    assert kernel(torch.zeros(4, dtype=torch.float64)[::2] + 0.5, two, two, constants) is not None
+    assert kernel(torch.full((4,), 0.5, dtype=torch.float64)[::2], one.repeat(2), one.repeat(2), constants) is None
+    assert kernel(one, one, one, constants[:3]) is None
+
+
+def test_a_kernel_that_differs_is_refused() -> None:
+    """The check compares bit for bit: a draw off by one ulp fails it."""
+    def off_by_an_ulp(delta, log_alpha, u, constants):
+        right = torch.tensor([residual._sample_psi_one_row(*row) for row in zip(delta.tolist(), log_alpha.tolist(),
+                                                                                     u.tolist())], dtype=torch.float64)
+        right[7] = math.nextafter(right[7].item(), math.inf)
+        return right
+
+    exact = lambda d, a, u, c: torch.tensor(  # noqa: E731
+        [residual._sample_psi_one_row(*row) for row in zip(d.tolist(), a.tolist(), u.tolist())], dtype=torch.float64)
+    assert residual._draws_kernel_matches(exact, 0)
+    assert not residual._draws_kernel_matches(off_by_an_ulp, 0)
+
+
+@pytest.mark.parametrize("verification, batch", [("block", 1), ("block", 5), ("token", 3)])
+def test_diffusion_samples_are_the_same_with_and_without_the_kernel(kernel, monkeypatch, verification: str,
+                                                                    batch: int) -> None:
+    """ψ_α's draws through the loop (the built-in pair, K = 30, seed 5): images and statistics unchanged."""
+    from specray.models.diffusion import load_pair
+
+    pair = load_pair("digits-ddpm", "digits-ddpm-draft", "cpu")
+    params = {"num_steps": 30, "drafter": "free", "gamma": 5, "rejection": "residual"}
+    ids = torch.arange(batch) + 11
+
+    def digest() -> str:
+        with torch.inference_mode():
+            result = loop.run_batch(f"spec_{verification}", params, pair, ids % 10, ids, 5)
+        stats = repr([vars(s) for s in result.stats]).encode()
+        return hashlib.sha256(result.images.numpy().tobytes() + stats).hexdigest()
+
+    calls = []
+    monkeypatch.setattr(residual, "_draws_kernel", lambda delta: calls.append(1) or kernel)
+    with_kernel = digest()
+    assert calls
+    monkeypatch.setattr(residual, "_draws_kernel", lambda delta: None)
+    assert digest() == with_kernel
