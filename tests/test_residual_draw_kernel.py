@@ -72,12 +72,12 @@ def test_edge_inputs_give_the_tensor_paths_bits(kernel, monkeypatch) -> None:
     got = torch.cat([sample_psi(*case) for case in cases])
     assert cpu_kernels.same_values(got, torch.cat([on_tensors(monkeypatch, *case) for case in cases]))
     columns = [torch.cat(column) for column in zip(*cases)]
-    assert kernel(*columns, residual._KERNEL_CONSTANTS) is None  # a zero delta among them: refused whole
+    assert kernel(*columns, residual.KERNEL_CONSTANTS) is None  # a zero delta among them: refused whole
 
 
 def test_calls_the_kernel_does_not_serve_are_refused(kernel) -> None:
     one = torch.tensor([0.5], dtype=torch.float64)
-    constants = residual._KERNEL_CONSTANTS
+    constants = residual.KERNEL_CONSTANTS
     assert kernel(one, one, one, constants) is not None
     assert kernel(one.float(), one, one, constants) is None  # float32
     assert kernel(torch.tensor([0.5, 0.6], dtype=torch.float64), one, one, constants) is None  # lengths differ

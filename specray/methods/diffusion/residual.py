@@ -194,7 +194,7 @@ def sample_psi(delta: torch.Tensor, log_alpha: torch.Tensor, u: torch.Tensor, me
     delta, log_alpha, u = torch.broadcast_tensors(delta, log_alpha, u)
     kernel = _draws_kernel(delta) if method == "newton" and ONE_ROW_ON_HOST else None
     if kernel is not None:
-        s = kernel(*(t.reshape(-1).contiguous() for t in (delta, log_alpha, u)), _KERNEL_CONSTANTS)
+        s = kernel(*(t.reshape(-1).contiguous() for t in (delta, log_alpha, u)), KERNEL_CONSTANTS)
         if s is not None:  # None: a delta of 0 (the Python path would divide by it), served below
             return s.reshape(delta.shape)
     if method == "newton" and delta.numel() == 1 and delta.device.type == "cpu" and ONE_ROW_ON_HOST:
@@ -356,7 +356,7 @@ def _sample_psi_one_row(delta: float, log_alpha: float, u: float) -> float:
 
 
 # residual_draw.cpp's constants: Python's values (a compiler would fold log and sqrt by its own rounding).
-_KERNEL_CONSTANTS = torch.tensor([_LOG_HALF, _SQRT_HALF, _HALF_LOG_2PI, _TAIL], dtype=torch.float64)
+KERNEL_CONSTANTS = torch.tensor([_LOG_HALF, _SQRT_HALF, _HALF_LOG_2PI, _TAIL], dtype=torch.float64)
 
 
 def _draws_kernel(delta: torch.Tensor) -> Callable | None:
@@ -382,7 +382,7 @@ def _draws_kernel_matches(kernel: Callable, _size: int) -> bool:
     edges = [(d, a, v) for d in (1e-300, 1e-12, 0.5, 40.0, 1e300, math.inf, math.nan)
              for a in (0.0, -1e-300, -0.3, -50.0, -1e300, -math.inf, math.nan) for v in (1e-300, 0.3, 1.0, math.nan)]
     rows = list(zip(delta.tolist(), log_alpha.tolist(), u.tolist())) + edges[:240]
-    got = kernel(*(torch.tensor(column, dtype=torch.float64) for column in zip(*rows)), _KERNEL_CONSTANTS)
+    got = kernel(*(torch.tensor(column, dtype=torch.float64) for column in zip(*rows)), KERNEL_CONSTANTS)
     want = [_sample_psi_one_row(*row) for row in rows]
     return got is not None and cpu_kernels.same_values(got, torch.tensor(want, dtype=torch.float64))
 

@@ -12,14 +12,22 @@ weight is ``exp(log_alpha)``: 1 for token verification, ``w_tau`` for block veri
 
 from __future__ import annotations
 
+import itertools
+import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from specray.methods.diffusion import block_host
-from specray.methods.diffusion.residual import DELTA_MIN, all_or_none, any_of, log1mexp, log_residual_mass
-
-BLOCK_ON_HOST = True  # False: a CPU round's block verification runs on tensors too (the tests' reference)
+from specray.methods.diffusion.residual import (
+    DELTA_MIN,
+    KERNEL_CONSTANTS,
+    all_or_none,
+    any_of,
+    log1mexp,
+    log_residual_mass,
+)
+from specray.models import cpu_kernels
 
 
 @dataclass
@@ -83,7 +91,7 @@ def _block_weights(log_rho: torch.Tensor, delta: torch.Tensor, g: torch.Tensor, 
         log_rho = torch.where(tiny, torch.zeros_like(log_rho), log_rho)
     # Past g, log rho = 0 keeps w: log w is +0 or negative, so min(0, log w + 0) is log w, bit for bit.
     if log_rho.is_cpu:  # the same IEEE additions and clamps on Python floats, not 2 G ops on n-element columns
-        log_w = torch.tensor([block_host.running_log_w(row) for row in _keep(valid, all_valid, log_rho).tolist()],
+        log_w = torch.tensor([_running_log_w(row) for row in _keep(valid, all_valid, log_rho).tolist()],
                              dtype=torch.float64).reshape(n, G + 1)
     else:
         log_rho_cols = _keep(valid, all_valid, log_rho).unbind(1)
@@ -105,15 +113,33 @@ def _block_weights(log_rho: torch.Tensor, delta: torch.Tensor, g: torch.Tensor, 
     return log_w, h
 
 
+def _running_log_w(log_rho: list[float]) -> list[float]:
+    """``[0, min(0, 0 + r_1), ...]``: the columns of log w for one row, as ``torch.clamp(w + r, max=0)``
+    makes them (which keeps w, -0.0 and NaN included, unless ``w > 0``)."""
+    out = [0.0]
+    for r in log_rho:
+        w = out[-1] + r
+        out.append(0.0 if w > 0.0 else w)
+    return out
+
+
 def block_verify(log_rho: torch.Tensor, delta: torch.Tensor, g: torch.Tensor, eta: torch.Tensor) -> Verdict:
     """Block verification (S25 Algorithm 2 with the Gaussian closed form of R_i, spec 5.1).
 
     ``eta[:, j]`` is the coin of index ``i = j + 1`` (``eta_0 = 0``, so ``tau = 0`` always qualifies);
     ``tau = max{i in 0..g : eta_i <= h_i}``; the residual at the cut has weight ``alpha = w_tau``.
-    CPU tensors are verified on the host (:mod:`~specray.methods.diffusion.block_host`, the same bits).
+    On a CPU one C++ call where the process has loaded specray's kernels (``csrc/block_verdict.cpp``, the same values).
     """
-    if BLOCK_ON_HOST and log_rho.is_cpu:
-        return Verdict(*block_host.block_verify(log_rho, delta, g, eta))
+    kernel = _verdict_kernel(log_rho)
+    if kernel is not None:
+        tau, log_alpha, expected, _ = kernel(log_rho, delta, g, eta, KERNEL_CONSTANTS, DELTA_MIN)
+        if tau is not None:  # None: a call it does not serve (e.g. float32 coins, a strided input)
+            return Verdict(tau=tau, log_alpha=log_alpha, expected_advance=expected)
+    return _block_verify_tensors(log_rho, delta, g, eta)
+
+
+def _block_verify_tensors(log_rho: torch.Tensor, delta: torch.Tensor, g: torch.Tensor, eta: torch.Tensor) -> Verdict:
+    """:func:`block_verify` by torch's operations."""
     n, G = log_rho.shape
     valid = _valid(g, G)
     all_valid = all_or_none(valid)
@@ -127,3 +153,39 @@ def block_verify(log_rho: torch.Tensor, delta: torch.Tensor, g: torch.Tensor, et
     expected = _keep(valid, all_valid, log_w[:, :G].exp()).sum(dim=1)
     log_alpha = torch.where(tau < g, log_w[rows, tau], torch.zeros_like(log_w[:, 0]))
     return Verdict(tau=tau, log_alpha=log_alpha, expected_advance=expected)
+
+
+def _verdict_kernel(log_rho: torch.Tensor) -> Callable | None:
+    """The C++ block verdict for CPU tensors, where the process has loaded specray's kernels (never building them
+    here) and it gave the tensor path's values in this process."""
+    if not log_rho.is_cpu or cpu_kernels.loaded() is None or not cpu_kernels.ENABLED or torch.compiler.is_compiling():
+        return None
+    return cpu_kernels.checked("block_verdict", 0, _verdict_kernel_matches)
+
+
+def _verdict_kernel_matches(kernel: Callable, _size: int) -> bool:
+    """Whether ``kernel`` gives the tensor path's tau, log alpha, expected advance and h (which decides tau only
+    through comparisons with the coins), bit for bit but NaN for NaN: 48 random rounds (seed 5; 1 to 32 rows, block
+    lengths 1 to 7, ragged and full; delta log-normal over eight decades, so log Phi's tail branches on either
+    side; identical kernels, positive log rho) and 81 edge rounds (zero, subnormal, huge and infinite delta and
+    log rho, -0.0 among them)."""
+    gen = torch.Generator().manual_seed(5)
+    rounds = []
+    for i, (n, G) in enumerate([(n, G) for n in (1, 3, 32) for G in (1, 2, 5, 7)] * 4):
+        delta = torch.exp(3 * torch.randn(n, G, dtype=torch.float64, generator=gen))
+        log_rho = -delta * torch.randn(n, G, dtype=torch.float64, generator=gen) - 0.5 * delta * delta
+        delta[0, 0] = 1e-12 if i % 5 == 0 else delta[0, 0]
+        log_rho[:, 0] = 0.3 if i % 7 == 0 else log_rho[:, 0]
+        g = torch.full((n,), G) if i % 3 == 0 else torch.randint(1, G + 1, (n,), generator=gen)
+        rounds.append((log_rho, delta, g, torch.rand(n, G, dtype=torch.float64, generator=gen)))
+    edges = [0.0, -0.0, 1e-300, -0.3, 2.0, -1e300, -math.inf, 40.0, math.inf]
+    for d, r in itertools.product(edges, edges):
+        rounds.append((torch.tensor([[r, -0.5]], dtype=torch.float64), torch.tensor([[abs(d), 0.7]], dtype=torch.float64),
+                       torch.tensor([2]), torch.full((1, 2), 0.5, dtype=torch.float64)))
+    for log_rho, delta, g, eta in rounds:
+        got = kernel(log_rho, delta, g, eta, KERNEL_CONSTANTS, DELTA_MIN)
+        want = _block_verify_tensors(log_rho, delta, g, eta)
+        if got[0] is None or not all(cpu_kernels.same_values(a, b) for a, b in zip(
+                got, (want.tau, want.log_alpha, want.expected_advance, block_weights(log_rho, delta, g)[1]))):
+            return False
+    return True

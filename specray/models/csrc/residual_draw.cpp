@@ -1,90 +1,19 @@
 // The residual sampler's 1-D draw s ~ psi_alpha(.; delta) (specray/methods/diffusion/residual.py: the Newton
-// solve of _sample_psi_one_row), row by row in one call. Every +, -, *, /, and comparison is the Python path's,
-// in its order, on doubles (built with -ffp-contract=off: nothing fuses); every transcendental is the routine
-// torch's CPU kernels run for float64 (torch 2.x on x86): log, exp, erfc and sqrt are MKL's vector math in its
-// high-accuracy mode, log1p and expm1 SLEEF's 1-ulp functions (the same bits in their AVX2 and AVX-512 builds),
-// and ndtri is torch's own operation. Those routines are looked up as weak symbols of libtorch_cpu: a torch build
-// without them leaves them null and the call is refused. residual.py compares the kernel with the Python path
-// before using it.
+// solve of _sample_psi_one_row), row by row in one call, with the Python path's arithmetic and torch's
+// transcendental routines (gaussian_math.h). residual.py compares the kernel with the Python path before using it.
 #include "kernels.h"
-
-#include <ATen/ops/special_ndtri.h>
-#include <ATen/ops/scalar_tensor.h>
-#include <immintrin.h>
+#include "gaussian_math.h"
 
 #include <array>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 
-extern "C" {
-// MKL's vector math (Fortran interface, 32-bit length), as torch calls it (ATen/cpu/vml.h).
-void VMDLN_(const int* n, const double* a, double* y, const int64_t* mode) __attribute__((weak));
-void VMDEXP_(const int* n, const double* a, double* y, const int64_t* mode) __attribute__((weak));
-void VMDERFC_(const int* n, const double* a, double* y, const int64_t* mode) __attribute__((weak));
-void VMDSQRT_(const int* n, const double* a, double* y, const int64_t* mode) __attribute__((weak));
-__m256d Sleef_log1pd4_u10avx2(__m256d) __attribute__((weak));
-__m256d Sleef_expm1d4_u10avx2(__m256d) __attribute__((weak));
-}
-
 namespace {
 
-constexpr int64_t kVmlMode = 0x2 | 0x140000 | 0x100;  // VML_HA | VML_FTZDAZ_OFF | VML_ERRMODE_IGNORE
-constexpr int kNewtonSteps = 16;                     // residual.NEWTON_STEPS
+using namespace gaussian_math;
 
-using VmlFunction = void (*)(const int*, const double*, double*, const int64_t*);
-
-double vml(VmlFunction f, double x) {
-  const int one = 1;
-  double y;
-  f(&one, &x, &y, &kVmlMode);
-  return y;
-}
-
-double log_(double x) { return vml(VMDLN_, x); }
-double exp_(double x) { return vml(VMDEXP_, x); }
-double erfc_(double x) { return vml(VMDERFC_, x); }
-double sqrt_(double x) { return vml(VMDSQRT_, x); }
-double log1p_(double x) { return _mm256_cvtsd_f64(Sleef_log1pd4_u10avx2(_mm256_set1_pd(x))); }
-double expm1_(double x) { return _mm256_cvtsd_f64(Sleef_expm1d4_u10avx2(_mm256_set1_pd(x))); }
-double ndtri_(double x) { return at::special_ndtri(at::scalar_tensor(x, at::kDouble)).item<double>(); }
-
-// residual.py's constants, passed in (their values are Python's, not the compiler's folding of log and sqrt).
-struct Constants {
-  double log_half, sqrt_half, half_log_2pi, tail;
-};
-
-double clamp_max(double x, double bound) { return bound < x ? bound : x; }  // torch.clamp: NaN kept
-
-double log1mexp(const Constants& k, double x) {
-  if (x > k.log_half) return log_(-expm1_(x));
-  return log1p_(-exp_(x));
-}
-
-double log_mills_series(double x) {
-  const double x2 = 1.0 / (x * x);
-  return log1p_(x2 * (-1.0 + x2 * (3.0 + x2 * (-15.0 + x2 * 105.0))));
-}
-
-double log_ndtr(const Constants& k, double x, bool far) {
-  const double head = log_(erfc_((far ? -k.tail : x) * -k.sqrt_half) * 0.5);
-  if (!far) return head;
-  const double t = clamp_max(x, -k.tail);
-  return -0.5 * t * t - log_(-t) - k.half_log_2pi + log_mills_series(t);
-}
-
-double log_G_at(const Constants& k, double s, double v, double delta, double log_alpha) {
-  const double shifted = s - delta;
-  const bool far_shifted = shifted < -k.tail;
-  const bool far = far_shifted && s < -k.tail;
-  const double log_phi_s = log_ndtr(k, s, far);
-  double inner = log_ndtr(k, shifted, far_shifted) - log_phi_s - log_alpha;
-  if (far) {
-    const double t = clamp_max(s, -k.tail);
-    inner = delta * v - log1p_(delta / (-t)) + log_mills_series(t - delta) - log_mills_series(t);
-  }
-  return (log_alpha + log_phi_s) + log1mexp(k, clamp_max(inner, 0.0));
-}
+constexpr int kNewtonSteps = 16;  // residual.NEWTON_STEPS
 
 struct State {
   double v, lo, hi;
@@ -143,7 +72,7 @@ double sample_psi(const Constants& k, double delta, double log_alpha, double u) 
 
 at::Tensor psi_draws(const at::Tensor& delta, const at::Tensor& log_alpha, const at::Tensor& u,
                      const at::Tensor& constants) {
-  const bool routines = VMDLN_ && VMDEXP_ && VMDERFC_ && VMDSQRT_ && Sleef_log1pd4_u10avx2 && Sleef_expm1d4_u10avx2;
+  const bool routines = gaussian_math::routines_found();
   const int64_t n = delta.numel();
   for (const at::Tensor* t : {&delta, &log_alpha, &u}) {
     if (!routines || !t->device().is_cpu() || t->scalar_type() != at::kDouble || !t->is_contiguous() ||

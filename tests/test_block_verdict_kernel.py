@@ -1,0 +1,138 @@
+"""Block verification of a diffusion round in C++ (``csrc/block_verdict.cpp``, :func:`rules._verdict_kernel`): the
+tensor path's verdicts and weights ``h`` (which decide tau only through comparisons with the coins) bit for bit, NaN
+for NaN, on random, tail-edge and out-of-domain rounds; torch's operations where the kernel refuses a call; a kernel
+that differs refused by the check; the diffusion loop's samples the same with and without it."""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import math
+
+import pytest
+import torch
+
+from specray.methods.diffusion import loop, rules
+from specray.methods.diffusion.residual import DELTA_MIN, KERNEL_CONSTANTS
+from specray.models import cpu_kernels
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    if cpu_kernels.extension() is None:
+        pytest.skip("the CPU kernels did not build here (see the log)")
+    found = rules._verdict_kernel(torch.zeros(1))
+    assert found is not None, "the block verdict kernel built but did not give torch's values (see the log)"
+    return found
+
+
+def same_as_tensors(kernel, log_rho, delta, g, eta) -> bool:
+    got = kernel(log_rho, delta, g, eta, KERNEL_CONSTANTS, DELTA_MIN)
+    want = rules._block_verify_tensors(log_rho, delta, g, eta)
+    expected = (want.tau, want.log_alpha, want.expected_advance, rules.block_weights(log_rho, delta, g)[1])
+    return got[0] is not None and all(cpu_kernels.same_values(a, b) for a, b in zip(got, expected))
+
+
+def test_random_rounds_give_the_tensor_paths_values(kernel) -> None:
+    """1,470 random rounds (seed 7): batches 1-100, block lengths 1-7, ragged and full rows; delta log-normal over
+    eight decades (the far-tail branches of log Phi on either side), identical kernels (delta 1e-12) and positive
+    log rho in some rounds."""
+    gen = torch.Generator().manual_seed(7)
+    far = 0
+    for n, G, rep in itertools.product((1, 2, 3, 5, 8, 32, 100), range(1, 8), range(30)):
+        delta = torch.exp(3 * torch.randn(n, G, dtype=torch.float64, generator=gen)) * (0.1 if rep % 2 else 1.0)
+        log_rho = -delta * torch.randn(n, G, dtype=torch.float64, generator=gen) - 0.5 * delta * delta
+        if rep % 5 == 0:
+            delta[0, 0] = 1e-12
+        if rep % 7 == 0:
+            log_rho[:, 0] = 0.3
+        g = torch.full((n,), G) if rep % 3 == 0 else torch.randint(1, G + 1, (n,), generator=gen)
+        eta = torch.rand(n, G, dtype=torch.float64, generator=gen)
+        assert same_as_tensors(kernel, log_rho, delta, g, eta)
+        far += int((delta > 60).sum())
+    assert far > 1000  # s - delta = -delta / 2 + log w / delta < -30: the tail expansion's branch
+
+
+def test_rounds_at_the_tail_branches_edge_give_the_tensor_paths_values(kernel) -> None:
+    """Slot 1's s = c or s - delta within 3 of -30, where log Phi switches to its tail expansion (400 rounds of 8
+    rows, seed 11): c = delta / 2 + log w_1 / delta, so log rho_0 = log w_1 = delta (c - delta / 2)."""
+    gen = torch.Generator().manual_seed(11)
+    near = 0
+    for rep in range(400):
+        shifted_band = rep % 2 == 1  # s - delta near -30 (delta about 60, log w = 0), else s itself
+        delta = (55 + 10 * torch.rand(8, 2, dtype=torch.float64, generator=gen) if shifted_band
+                 else 0.5 + 20 * torch.rand(8, 2, dtype=torch.float64, generator=gen))
+        c = -33 + 6 * torch.rand(8, dtype=torch.float64, generator=gen)
+        log_rho = torch.zeros(8, 2, dtype=torch.float64)
+        if not shifted_band:
+            log_rho[:, 0] = delta[:, 1] * (c - delta[:, 1] / 2)
+        eta = torch.rand(8, 2, dtype=torch.float64, generator=gen)
+        assert same_as_tensors(kernel, log_rho, delta, torch.full((8,), 2), eta)
+        s = delta[:, 1] / 2 + log_rho[:, 0].clamp(max=0) / delta[:, 1]
+        point = s - delta[:, 1] if shifted_band else s
+        near += int(((point > -31) & (point < -30)).sum())
+    assert near > 300
+
+
+def test_edge_values_give_the_tensor_paths_values(kernel) -> None:
+    """Zero, subnormal, tiny, huge and infinite delta and log rho, -0.0 included (6,561 two-slot rounds at block
+    lengths 1 and 2 and coins 0, 0.5 and 1)."""
+    deltas = [0.0, 1e-300, 1e-12, 1e-10, 0.5, 40.0, 1e3, 1e300, math.inf]
+    log_rhos = [0.0, -0.0, 1e-300, -1e-300, -0.3, 2.0, -50.0, -1e300, -math.inf]
+    for d1, d2, r1, r2 in itertools.product(deltas, deltas, log_rhos, log_rhos):
+        log_rho = torch.tensor([[r1, r2]], dtype=torch.float64)
+        delta = torch.tensor([[d1, d2]], dtype=torch.float64)
+        eta = torch.full((1, 2), (r1 + r2 > -1) * 0.5 + (d1 > 1) * 0.5, dtype=torch.float64)
+        assert same_as_tensors(kernel, log_rho, delta, torch.tensor([1 + (d1 < d2)]), eta)
+
+
+def test_calls_the_kernel_does_not_serve_go_to_torch(kernel) -> None:
+    """float32 coins, strided inputs, block lengths past G and mismatched shapes are refused; block_verify then
+    gives the tensor path's verdict."""
+    log_rho = torch.tensor([[-0.2, -0.4]], dtype=torch.float64)
+    delta = torch.tensor([[0.6, 0.9]], dtype=torch.float64)
+    eta = torch.tensor([[0.5, 0.5]], dtype=torch.float64)
+    g = torch.tensor([2])
+    assert kernel(log_rho, delta, g, eta, KERNEL_CONSTANTS, DELTA_MIN)[0] is not None
+    for args in [(log_rho, delta, g, eta.float()), (log_rho, delta, torch.tensor([3]), eta),
+                 (log_rho, delta, g.int(), eta), (log_rho, delta[:, :1], g, eta),
+                 (torch.tensor([[-0.2, 9, -0.4]], dtype=torch.float64)[:, ::2], delta, g, eta)]:
+        assert kernel(*args, KERNEL_CONSTANTS, DELTA_MIN)[0] is None
+    verdict = rules.block_verify(log_rho, delta, g, eta.float())
+    want = rules._block_verify_tensors(log_rho, delta, g, eta.float())
+    assert torch.equal(verdict.tau, want.tau) and torch.equal(verdict.log_alpha, want.log_alpha)
+
+
+def test_a_kernel_that_differs_is_refused(kernel) -> None:
+    """The check compares every output bit for bit: an h off by one ulp (which would rarely change tau) fails it."""
+    def h_off_by_an_ulp(*args):
+        tau, log_alpha, expected, h = kernel(*args)
+        h[0, 0] = math.nextafter(h[0, 0].item(), -math.inf)
+        return tau, log_alpha, expected, h
+
+    assert rules._verdict_kernel_matches(kernel, 0)
+    assert not rules._verdict_kernel_matches(h_off_by_an_ulp, 0)
+
+
+@pytest.mark.parametrize("drafter, batch", [("free", 1), ("frozen", 5)])
+def test_diffusion_samples_are_the_same_with_and_without_the_kernel(kernel, monkeypatch, drafter: str,
+                                                                    batch: int) -> None:
+    """Block verification through the loop (the built-in pair, K = 30, seed 5): images and statistics unchanged."""
+    from specray.models.diffusion import load_pair
+
+    pair = load_pair("digits-ddpm", "digits-ddpm-draft", "cpu")
+    ids = torch.arange(batch) + 11
+
+    def digest() -> str:
+        with torch.inference_mode():
+            result = loop.run_batch("spec_block", {"num_steps": 30, "drafter": drafter, "gamma": 5}, pair, ids % 10,
+                                    ids, 5)
+        stats = repr([vars(s) for s in result.stats]).encode()
+        return hashlib.sha256(result.images.numpy().tobytes() + stats).hexdigest()
+
+    calls = []
+    monkeypatch.setattr(rules, "_verdict_kernel", lambda log_rho: calls.append(1) or kernel)
+    with_kernel = digest()
+    assert calls
+    monkeypatch.setattr(rules, "_verdict_kernel", lambda log_rho: None)
+    assert digest() == with_kernel
