@@ -54,7 +54,18 @@ def _valid(g: torch.Tensor, G: int) -> torch.Tensor:
 
 
 def token_verify(log_rho: torch.Tensor, delta: torch.Tensor, g: torch.Tensor, eta: torch.Tensor) -> Verdict:
-    """Sequential acceptance: step j is accepted iff ``eta_j <= min(1, rho_j)``; stop at the first rejection."""
+    """Sequential acceptance: step j is accepted iff ``eta_j <= min(1, rho_j)``; stop at the first rejection.
+    On a CPU one C++ call where the process has loaded specray's kernels (``csrc/verdicts.cpp``, the same values)."""
+    kernel = _kernel(log_rho, "token_verdict")
+    if kernel is not None:
+        tau, log_alpha, expected = kernel(log_rho, delta, g, eta, DELTA_MIN)
+        if tau is not None:  # None: a call it does not serve (e.g. float32 coins, a strided input)
+            return Verdict(tau=tau, log_alpha=log_alpha, expected_advance=expected)
+    return _token_verify_tensors(log_rho, delta, g, eta)
+
+
+def _token_verify_tensors(log_rho: torch.Tensor, delta: torch.Tensor, g: torch.Tensor, eta: torch.Tensor) -> Verdict:
+    """:func:`token_verify` by torch's operations."""
     n, G = log_rho.shape
     log_rho = torch.where(delta <= DELTA_MIN, torch.zeros_like(log_rho), log_rho)  # identical kernels
     valid = _valid(g, G)
@@ -128,9 +139,9 @@ def block_verify(log_rho: torch.Tensor, delta: torch.Tensor, g: torch.Tensor, et
 
     ``eta[:, j]`` is the coin of index ``i = j + 1`` (``eta_0 = 0``, so ``tau = 0`` always qualifies);
     ``tau = max{i in 0..g : eta_i <= h_i}``; the residual at the cut has weight ``alpha = w_tau``.
-    On a CPU one C++ call where the process has loaded specray's kernels (``csrc/block_verdict.cpp``, the same values).
+    On a CPU one C++ call where the process has loaded specray's kernels (``csrc/verdicts.cpp``, the same values).
     """
-    kernel = _verdict_kernel(log_rho)
+    kernel = _kernel(log_rho, "block_verdict")
     if kernel is not None:
         tau, log_alpha, expected, _ = kernel(log_rho, delta, g, eta, KERNEL_CONSTANTS, DELTA_MIN)
         if tau is not None:  # None: a call it does not serve (e.g. float32 coins, a strided input)
@@ -155,20 +166,43 @@ def _block_verify_tensors(log_rho: torch.Tensor, delta: torch.Tensor, g: torch.T
     return Verdict(tau=tau, log_alpha=log_alpha, expected_advance=expected)
 
 
-def _verdict_kernel(log_rho: torch.Tensor) -> Callable | None:
-    """The C++ block verdict for CPU tensors, where the process has loaded specray's kernels (never building them
-    here) and it gave the tensor path's values in this process."""
+def _kernel(log_rho: torch.Tensor, name: str) -> Callable | None:
+    """The C++ verdict ``name`` for CPU tensors, where the process has loaded specray's kernels (never building them
+    here) and it gave its tensor path's values in this process."""
     if not log_rho.is_cpu or cpu_kernels.loaded() is None or not cpu_kernels.ENABLED or torch.compiler.is_compiling():
         return None
-    return cpu_kernels.checked("block_verdict", 0, _verdict_kernel_matches)
+    return cpu_kernels.checked(name, 0, _token_kernel_matches if name == "token_verdict" else _block_kernel_matches)
 
 
-def _verdict_kernel_matches(kernel: Callable, _size: int) -> bool:
-    """Whether ``kernel`` gives the tensor path's tau, log alpha, expected advance and h (which decides tau only
-    through comparisons with the coins), bit for bit but NaN for NaN: 48 random rounds (seed 5; 1 to 32 rows, block
-    lengths 1 to 7, ragged and full; delta log-normal over eight decades, so log Phi's tail branches on either
-    side; identical kernels, positive log rho) and 81 edge rounds (zero, subnormal, huge and infinite delta and
-    log rho, -0.0 among them)."""
+def _token_kernel_matches(kernel: Callable, _size: int) -> bool:
+    """Whether ``kernel`` gives :func:`_token_verify_tensors`' tau, log alpha and expected advance on
+    :func:`_check_rounds`, bit for bit but NaN for NaN."""
+    for log_rho, delta, g, eta in _check_rounds():
+        got, want = kernel(log_rho, delta, g, eta, DELTA_MIN), _token_verify_tensors(log_rho, delta, g, eta)
+        if got[0] is None or not _same_verdict(got, want):
+            return False
+    return True
+
+
+def _block_kernel_matches(kernel: Callable, _size: int) -> bool:
+    """Whether ``kernel`` gives :func:`_block_verify_tensors`' tau, log alpha and expected advance, and h (which
+    decides tau only through comparisons with the coins), on :func:`_check_rounds`, bit for bit but NaN for NaN."""
+    for log_rho, delta, g, eta in _check_rounds():
+        got, want = kernel(log_rho, delta, g, eta, KERNEL_CONSTANTS, DELTA_MIN), _block_verify_tensors(log_rho, delta, g, eta)
+        if got[0] is None or not _same_verdict(got, want) or not cpu_kernels.same_values(
+                got[3], block_weights(log_rho, delta, g)[1]):
+            return False
+    return True
+
+
+def _same_verdict(got: tuple[torch.Tensor, ...], want: Verdict) -> bool:
+    return all(cpu_kernels.same_values(a, b) for a, b in zip(got, (want.tau, want.log_alpha, want.expected_advance)))
+
+
+def _check_rounds() -> list[tuple[torch.Tensor, ...]]:
+    """``(log_rho, delta, g, eta)`` of 48 random rounds (seed 5; 1 to 32 rows, block lengths 1 to 7, ragged and
+    full; delta log-normal over eight decades, so log Phi's tail branches on either side; identical kernels,
+    positive log rho) and 81 edge rounds (zero, subnormal, huge and infinite delta and log rho, -0.0 among them)."""
     gen = torch.Generator().manual_seed(5)
     rounds = []
     for i, (n, G) in enumerate([(n, G) for n in (1, 3, 32) for G in (1, 2, 5, 7)] * 4):
@@ -182,10 +216,4 @@ def _verdict_kernel_matches(kernel: Callable, _size: int) -> bool:
     for d, r in itertools.product(edges, edges):
         rounds.append((torch.tensor([[r, -0.5]], dtype=torch.float64), torch.tensor([[abs(d), 0.7]], dtype=torch.float64),
                        torch.tensor([2]), torch.full((1, 2), 0.5, dtype=torch.float64)))
-    for log_rho, delta, g, eta in rounds:
-        got = kernel(log_rho, delta, g, eta, KERNEL_CONSTANTS, DELTA_MIN)
-        want = _block_verify_tensors(log_rho, delta, g, eta)
-        if got[0] is None or not all(cpu_kernels.same_values(a, b) for a, b in zip(
-                got, (want.tau, want.log_alpha, want.expected_advance, block_weights(log_rho, delta, g)[1]))):
-            return False
-    return True
+    return rounds

@@ -98,10 +98,14 @@ at::Tensor splitmix(const at::Tensor& keys);
 at::Tensor psi_draws(const at::Tensor& delta, const at::Tensor& log_alpha, const at::Tensor& u,
                      const at::Tensor& constants);
 
-// Block verification's verdict of a diffusion round: tau [n] (int64), the cut's log weight [n], the expected advance
-// [n] and h [n, G+1] from float64 log_rho, delta and eta [n, G] and int64 g [n] (0 <= g <= G), with the values of
-// specray/methods/diffusion/rules.py's tensor path (block_verdict.cpp); constants as for psi_draws. Undefined tensors
-// where the call is not one it serves, or torch was built without the routines its kernels use.
+// The verdicts of a diffusion round's token and block verification: tau [n] (int64), the cut's log weight [n], the
+// expected advance [n] and (block) h [n, G+1] from float64 log_rho, delta and eta [n, G] and int64 g [n]
+// (0 <= g <= G), with the values of specray/methods/diffusion/rules.py's tensor paths (verdicts.cpp); constants as
+// for psi_draws. Undefined tensors where the call is not one it serves, or torch was built without the routines
+// its kernels use.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> token_verdict(const at::Tensor& log_rho, const at::Tensor& delta,
+                                                             const at::Tensor& g, const at::Tensor& eta,
+                                                             double delta_min);
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> block_verdict(const at::Tensor& log_rho,
                                                                          const at::Tensor& delta, const at::Tensor& g,
                                                                          const at::Tensor& eta,

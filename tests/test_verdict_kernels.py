@@ -1,7 +1,8 @@
-"""Block verification of a diffusion round in C++ (``csrc/block_verdict.cpp``, :func:`rules._verdict_kernel`): the
-tensor path's verdicts and weights ``h`` (which decide tau only through comparisons with the coins) bit for bit, NaN
-for NaN, on random, tail-edge and out-of-domain rounds; torch's operations where the kernel refuses a call; a kernel
-that differs refused by the check; the diffusion loop's samples the same with and without it."""
+"""Token and block verification of a diffusion round in C++ (``csrc/verdicts.cpp``, :func:`rules._kernel`): the
+tensor paths' verdicts, and block verification's weights ``h`` (which decide tau only through comparisons with the
+coins), bit for bit, NaN for NaN, on random, tail-edge and out-of-domain rounds; torch's operations where a kernel
+refuses a call; a kernel that differs refused by the check; the diffusion loop's samples the same with and without
+the kernels."""
 
 from __future__ import annotations
 
@@ -16,24 +17,41 @@ from specray.methods.diffusion import loop, rules
 from specray.methods.diffusion.residual import DELTA_MIN, KERNEL_CONSTANTS
 from specray.models import cpu_kernels
 
+RULES = ["token", "block"]
+
+
+def found(rule: str):
+    if cpu_kernels.extension() is None:
+        pytest.skip("the CPU kernels did not build here (see the log)")
+    kernel = rules._kernel(torch.zeros(1), f"{rule}_verdict")
+    assert kernel is not None, f"the {rule} verdict kernel built but did not give torch's values (see the log)"
+    return kernel
+
 
 @pytest.fixture(scope="module")
 def kernel():
-    if cpu_kernels.extension() is None:
-        pytest.skip("the CPU kernels did not build here (see the log)")
-    found = rules._verdict_kernel(torch.zeros(1))
-    assert found is not None, "the block verdict kernel built but did not give torch's values (see the log)"
-    return found
+    return found("block")
 
 
-def same_as_tensors(kernel, log_rho, delta, g, eta) -> bool:
-    got = kernel(log_rho, delta, g, eta, KERNEL_CONSTANTS, DELTA_MIN)
-    want = rules._block_verify_tensors(log_rho, delta, g, eta)
-    expected = (want.tau, want.log_alpha, want.expected_advance, rules.block_weights(log_rho, delta, g)[1])
+@pytest.fixture(scope="module", params=RULES)
+def both(request):
+    return request.param, found(request.param)
+
+
+def same_as_tensors(rule_kernel, log_rho, delta, g, eta) -> bool:
+    rule, kernel = rule_kernel
+    if rule == "token":
+        got = kernel(log_rho, delta, g, eta, DELTA_MIN)
+        want = rules._token_verify_tensors(log_rho, delta, g, eta)
+        expected = (want.tau, want.log_alpha, want.expected_advance)
+    else:
+        got = kernel(log_rho, delta, g, eta, KERNEL_CONSTANTS, DELTA_MIN)
+        want = rules._block_verify_tensors(log_rho, delta, g, eta)
+        expected = (want.tau, want.log_alpha, want.expected_advance, rules.block_weights(log_rho, delta, g)[1])
     return got[0] is not None and all(cpu_kernels.same_values(a, b) for a, b in zip(got, expected))
 
 
-def test_random_rounds_give_the_tensor_paths_values(kernel) -> None:
+def test_random_rounds_give_the_tensor_paths_values(both) -> None:
     """1,470 random rounds (seed 7): batches 1-100, block lengths 1-7, ragged and full rows; delta log-normal over
     eight decades (the far-tail branches of log Phi on either side), identical kernels (delta 1e-12) and positive
     log rho in some rounds."""
@@ -48,7 +66,7 @@ def test_random_rounds_give_the_tensor_paths_values(kernel) -> None:
             log_rho[:, 0] = 0.3
         g = torch.full((n,), G) if rep % 3 == 0 else torch.randint(1, G + 1, (n,), generator=gen)
         eta = torch.rand(n, G, dtype=torch.float64, generator=gen)
-        assert same_as_tensors(kernel, log_rho, delta, g, eta)
+        assert same_as_tensors(both, log_rho, delta, g, eta)
         far += int((delta > 60).sum())
     assert far > 1000  # s - delta = -delta / 2 + log w / delta < -30: the tail expansion's branch
 
@@ -67,14 +85,14 @@ def test_rounds_at_the_tail_branches_edge_give_the_tensor_paths_values(kernel) -
         if not shifted_band:
             log_rho[:, 0] = delta[:, 1] * (c - delta[:, 1] / 2)
         eta = torch.rand(8, 2, dtype=torch.float64, generator=gen)
-        assert same_as_tensors(kernel, log_rho, delta, torch.full((8,), 2), eta)
+        assert same_as_tensors(("block", kernel), log_rho, delta, torch.full((8,), 2), eta)
         s = delta[:, 1] / 2 + log_rho[:, 0].clamp(max=0) / delta[:, 1]
         point = s - delta[:, 1] if shifted_band else s
         near += int(((point > -31) & (point < -30)).sum())
     assert near > 300
 
 
-def test_edge_values_give_the_tensor_paths_values(kernel) -> None:
+def test_edge_values_give_the_tensor_paths_values(both) -> None:
     """Zero, subnormal, tiny, huge and infinite delta and log rho, -0.0 included (6,561 two-slot rounds at block
     lengths 1 and 2 and coins 0, 0.5 and 1)."""
     deltas = [0.0, 1e-300, 1e-12, 1e-10, 0.5, 40.0, 1e3, 1e300, math.inf]
@@ -83,41 +101,53 @@ def test_edge_values_give_the_tensor_paths_values(kernel) -> None:
         log_rho = torch.tensor([[r1, r2]], dtype=torch.float64)
         delta = torch.tensor([[d1, d2]], dtype=torch.float64)
         eta = torch.full((1, 2), (r1 + r2 > -1) * 0.5 + (d1 > 1) * 0.5, dtype=torch.float64)
-        assert same_as_tensors(kernel, log_rho, delta, torch.tensor([1 + (d1 < d2)]), eta)
+        assert same_as_tensors(both, log_rho, delta, torch.tensor([1 + (d1 < d2)]), eta)
 
 
-def test_calls_the_kernel_does_not_serve_go_to_torch(kernel) -> None:
-    """float32 coins, strided inputs, block lengths past G and mismatched shapes are refused; block_verify then
-    gives the tensor path's verdict."""
+def test_calls_the_kernels_do_not_serve_go_to_torch(both) -> None:
+    """float32 coins, strided inputs, block lengths past G and mismatched shapes are refused; the rule then gives
+    its tensor path's verdict."""
+    rule, kernel = both
+    extra = (DELTA_MIN,) if rule == "token" else (KERNEL_CONSTANTS, DELTA_MIN)
     log_rho = torch.tensor([[-0.2, -0.4]], dtype=torch.float64)
     delta = torch.tensor([[0.6, 0.9]], dtype=torch.float64)
     eta = torch.tensor([[0.5, 0.5]], dtype=torch.float64)
     g = torch.tensor([2])
-    assert kernel(log_rho, delta, g, eta, KERNEL_CONSTANTS, DELTA_MIN)[0] is not None
+    assert kernel(log_rho, delta, g, eta, *extra)[0] is not None
     for args in [(log_rho, delta, g, eta.float()), (log_rho, delta, torch.tensor([3]), eta),
                  (log_rho, delta, g.int(), eta), (log_rho, delta[:, :1], g, eta),
                  (torch.tensor([[-0.2, 9, -0.4]], dtype=torch.float64)[:, ::2], delta, g, eta)]:
-        assert kernel(*args, KERNEL_CONSTANTS, DELTA_MIN)[0] is None
-    verdict = rules.block_verify(log_rho, delta, g, eta.float())
-    want = rules._block_verify_tensors(log_rho, delta, g, eta.float())
+        assert kernel(*args, *extra)[0] is None
+    verdict = getattr(rules, f"{rule}_verify")(log_rho, delta, g, eta.float())
+    want = getattr(rules, f"_{rule}_verify_tensors")(log_rho, delta, g, eta.float())
     assert torch.equal(verdict.tau, want.tau) and torch.equal(verdict.log_alpha, want.log_alpha)
 
 
-def test_a_kernel_that_differs_is_refused(kernel) -> None:
-    """The check compares every output bit for bit: an h off by one ulp (which would rarely change tau) fails it."""
+def test_kernels_that_differ_are_refused(kernel) -> None:
+    """The checks compare every output bit for bit: an h off by one ulp (which would rarely change tau) fails the
+    block kernel's, an expected advance off by one ulp the token kernel's."""
     def h_off_by_an_ulp(*args):
         tau, log_alpha, expected, h = kernel(*args)
         h[0, 0] = math.nextafter(h[0, 0].item(), -math.inf)
         return tau, log_alpha, expected, h
 
-    assert rules._verdict_kernel_matches(kernel, 0)
-    assert not rules._verdict_kernel_matches(h_off_by_an_ulp, 0)
+    token = found("token")
+
+    def advance_off_by_an_ulp(*args):
+        tau, log_alpha, expected = token(*args)
+        expected[-1] = math.nextafter(expected[-1].item(), math.inf)
+        return tau, log_alpha, expected
+
+    assert rules._block_kernel_matches(kernel, 0) and rules._token_kernel_matches(token, 0)
+    assert not rules._block_kernel_matches(h_off_by_an_ulp, 0)
+    assert not rules._token_kernel_matches(advance_off_by_an_ulp, 0)
 
 
-@pytest.mark.parametrize("drafter, batch", [("free", 1), ("frozen", 5)])
-def test_diffusion_samples_are_the_same_with_and_without_the_kernel(kernel, monkeypatch, drafter: str,
-                                                                    batch: int) -> None:
-    """Block verification through the loop (the built-in pair, K = 30, seed 5): images and statistics unchanged."""
+@pytest.mark.parametrize("method, drafter, batch", [("spec_block", "free", 1), ("spec_block", "frozen", 5),
+                                                    ("spec_token", "free", 3)])
+def test_diffusion_samples_are_the_same_with_and_without_the_kernels(kernel, monkeypatch, method: str, drafter: str,
+                                                                     batch: int) -> None:
+    """Verification through the loop (the built-in pair, K = 30, seed 5): images and statistics unchanged."""
     from specray.models.diffusion import load_pair
 
     pair = load_pair("digits-ddpm", "digits-ddpm-draft", "cpu")
@@ -125,14 +155,14 @@ def test_diffusion_samples_are_the_same_with_and_without_the_kernel(kernel, monk
 
     def digest() -> str:
         with torch.inference_mode():
-            result = loop.run_batch("spec_block", {"num_steps": 30, "drafter": drafter, "gamma": 5}, pair, ids % 10,
-                                    ids, 5)
+            result = loop.run_batch(method, {"num_steps": 30, "drafter": drafter, "gamma": 5}, pair, ids % 10, ids, 5)
         stats = repr([vars(s) for s in result.stats]).encode()
         return hashlib.sha256(result.images.numpy().tobytes() + stats).hexdigest()
 
     calls = []
-    monkeypatch.setattr(rules, "_verdict_kernel", lambda log_rho: calls.append(1) or kernel)
-    with_kernel = digest()
-    assert calls
-    monkeypatch.setattr(rules, "_verdict_kernel", lambda log_rho: None)
-    assert digest() == with_kernel
+    real = rules._kernel
+    monkeypatch.setattr(rules, "_kernel", lambda log_rho, name: calls.append(name) or real(log_rho, name))
+    with_kernels = digest()
+    assert f"{method[5:]}_verdict" in calls
+    monkeypatch.setattr(rules, "_kernel", lambda log_rho, name: None)
+    assert digest() == with_kernels
