@@ -190,13 +190,12 @@ def sample_psi(delta: torch.Tensor, log_alpha: torch.Tensor, u: torch.Tensor, me
     """
     if method not in ("newton", "bisection"):
         raise ValueError(f"method must be 'newton' or 'bisection', got {method!r}")
+    if method == "newton" and ONE_ROW_ON_HOST:
+        s = _kernel_draws(delta, log_alpha, u)
+        if s is not None:
+            return s
     delta, log_alpha, u = _as_f64(delta, log_alpha, u)
     delta, log_alpha, u = torch.broadcast_tensors(delta, log_alpha, u)
-    kernel = _draws_kernel(delta) if method == "newton" and ONE_ROW_ON_HOST else None
-    if kernel is not None:
-        s = kernel(*(t.reshape(-1).contiguous() for t in (delta, log_alpha, u)), KERNEL_CONSTANTS)
-        if s is not None:  # None: a delta of 0 (the Python path would divide by it), served below
-            return s.reshape(delta.shape)
     if method == "newton" and delta.numel() == 1 and delta.device.type == "cpu" and ONE_ROW_ON_HOST:
         row_delta = delta.item()
         if row_delta != 0.0:  # Python's division by zero raises where torch's gives inf or NaN
@@ -357,6 +356,20 @@ def _sample_psi_one_row(delta: float, log_alpha: float, u: float) -> float:
 
 # residual_draw.cpp's constants: Python's values (a compiler would fold log and sqrt by its own rounding).
 KERNEL_CONSTANTS = torch.tensor([_LOG_HALF, _SQRT_HALF, _HALF_LOG_2PI, _TAIL], dtype=torch.float64)
+
+
+def _kernel_draws(delta, log_alpha, u) -> torch.Tensor | None:
+    """:func:`sample_psi`'s Newton draws by the C++ kernel, or None where it is not loaded or refuses the call (a
+    delta of 0, which the Python path would divide by). The loop's inputs (float64 CPU tensors of one shape) go as
+    they are; others after broadcasting."""
+    kernel = _draws_kernel(delta) if isinstance(delta, torch.Tensor) else None
+    if kernel is None:
+        return None
+    args = (delta, log_alpha, u)
+    if not all(isinstance(t, torch.Tensor) and t.dtype == torch.float64 and t.shape == delta.shape for t in args):
+        args = tuple(t.contiguous() for t in torch.broadcast_tensors(*_as_f64(*args)))
+    s = kernel(*(t if t.dim() == 1 else t.reshape(-1) for t in args), KERNEL_CONSTANTS)  # it refuses strided ones
+    return None if s is None else s.reshape(args[0].shape)
 
 
 def _draws_kernel(delta: torch.Tensor) -> Callable | None:
