@@ -1,6 +1,7 @@
-"""The residual sampler's Newton draws in C++ (``csrc/residual_draw.cpp``, :func:`residual._draws_kernel`): the bits
-of the tensor path on one row and on many, the Python path where the kernel refuses a call, a kernel that differs
-refused by the check, and the diffusion loop's samples the same with and without it."""
+"""The residual sampler in C++ (``csrc/residual_draw.cpp``): the Newton draws (:func:`residual._draws_kernel`) give
+the tensor path's bits on one row and on many, the Python path serves where the kernel refuses a call, a kernel
+that differs is refused by the check; a round's resampled states (:func:`loop._residual_kernel`) are ``_mean`` and
+``sample_residual``'s values; the diffusion loop's samples are the same with and without either."""
 
 from __future__ import annotations
 
@@ -117,9 +118,87 @@ def test_diffusion_samples_are_the_same_with_and_without_the_kernel(kernel, monk
         stats = repr([vars(s) for s in result.stats]).encode()
         return hashlib.sha256(result.images.numpy().tobytes() + stats).hexdigest()
 
+    monkeypatch.setattr(loop, "_residual_kernel", lambda chain, Y: None)  # the draws through sample_residual
     calls = []
     monkeypatch.setattr(residual, "_draws_kernel", lambda delta: calls.append(1) or kernel)
     with_kernel = digest()
     assert calls
     monkeypatch.setattr(residual, "_draws_kernel", lambda delta: None)
+    assert digest() == with_kernel
+
+
+@pytest.fixture(scope="module")
+def states_kernel():
+    if cpu_kernels.extension() is None:
+        pytest.skip("the CPU kernels did not build here (see the log)")
+    found = loop._residual_kernel(loop.GaussianChain(torch.ones(1), torch.ones(1), torch.ones(1), None), torch.zeros(1))
+    assert found is not None, "the resampled-states kernel built but did not give torch's values (see the log)"
+    return found
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("rows, shape", [(1, (1, 8, 8)), (4, (3,)), (40, (2, 16, 16))])
+def test_resampled_states_are_the_python_paths(states_kernel, dtype: torch.dtype, rows: int, shape) -> None:
+    """Another grid than the check's (seed 13): the affine chain's mean (``loop._mean``) and ``sample_residual``, with
+    a row of identical kernels (Delta of norm 1e-12, the fresh noise kept) and alpha = 1 among them."""
+    gen = torch.Generator().manual_seed(13)
+    x, eps = (torch.randn((rows,) + shape, dtype=torch.float64, generator=gen).to(dtype) for _ in range(2))
+    coef = torch.rand(3, rows, dtype=torch.float64, generator=gen) + 0.1
+    Delta = torch.randn((rows,) + shape, dtype=torch.float64, generator=gen)
+    Delta[-1] *= 1e-14
+    log_alpha = -torch.rand(rows, dtype=torch.float64, generator=gen)
+    log_alpha[0] = 0.0
+    u = 1 - torch.rand(rows, dtype=torch.float64, generator=gen)
+    zeta = torch.randn((rows,) + shape, dtype=torch.float64, generator=gen)
+    got = states_kernel(x, eps, coef, Delta, log_alpha, u, zeta, residual.KERNEL_CONSTANTS, residual.DELTA_MIN)
+    chain, k = loop.GaussianChain(coef[0], coef[1], coef[2], None), torch.arange(rows)
+    want = residual.sample_residual(loop._mean(chain, x, eps, k), Delta, chain.sigma[k], log_alpha, u, zeta)
+    assert got.dtype == torch.float64 and cpu_kernels.same_values(got, want)
+    assert torch.equal(got[-1], loop._mean(chain, x, eps, k)[-1] + coef[2, -1] * zeta[-1])
+
+
+def test_resampled_states_calls_the_kernel_does_not_serve_are_refused(states_kernel) -> None:
+    one, row = torch.ones(1, 4, dtype=torch.float64), torch.ones(1, dtype=torch.float64)
+    coef, constants, delta_min = torch.ones(3, 1, dtype=torch.float64), residual.KERNEL_CONSTANTS, residual.DELTA_MIN
+    assert states_kernel(one, one, coef, one, row, row, one, constants, delta_min) is not None
+    assert states_kernel(one, one.float(), coef, one, row, row, one, constants, delta_min) is None  # dtypes differ
+    assert states_kernel(one.half(), one.half(), coef, one, row, row, one, constants, delta_min) is None
+    assert states_kernel(one, one, coef[:2], one, row, row, one, constants, delta_min) is None
+    assert states_kernel(one, one, coef, one.float(), row, row, one, constants, delta_min) is None
+    strided = torch.ones(1, 8, dtype=torch.float64)[:, ::2]
+    assert states_kernel(one, one, coef, strided, row, row, one, constants, delta_min) is None
+
+
+def test_a_resampled_states_kernel_that_differs_is_refused(states_kernel) -> None:
+    def off_by_an_ulp(*args):
+        y = states_kernel(*args)
+        y.view(-1)[0] = math.nextafter(y.view(-1)[0].item(), math.inf)
+        return y
+
+    assert loop._residual_kernel_matches(states_kernel, 0)
+    assert not loop._residual_kernel_matches(off_by_an_ulp, 0)
+
+
+@pytest.mark.parametrize("method, batch", [("spec_block", 1), ("spec_block", 6), ("spec_token", 2)])
+def test_diffusion_samples_are_the_same_with_and_without_the_states_kernel(states_kernel, monkeypatch, method: str,
+                                                                           batch: int) -> None:
+    """ψ_α's resampled states through the loop (the built-in pair, K = 30, Free drafter, seed 5): images and
+    statistics unchanged."""
+    from specray.models.diffusion import load_pair
+
+    pair = load_pair("digits-ddpm", "digits-ddpm-draft", "cpu")
+    params = {"num_steps": 30, "drafter": "free", "gamma": 5, "rejection": "residual"}
+    ids = torch.arange(batch) + 21
+
+    def digest() -> str:
+        with torch.inference_mode():
+            result = loop.run_batch(method, params, pair, ids % 10, ids, 5)
+        stats = repr([vars(s) for s in result.stats]).encode()
+        return hashlib.sha256(result.images.numpy().tobytes() + stats).hexdigest()
+
+    calls = []
+    monkeypatch.setattr(loop, "_residual_kernel", lambda chain, Y: calls.append(1) or states_kernel)
+    with_kernel = digest()
+    assert calls
+    monkeypatch.setattr(loop, "_residual_kernel", lambda chain, Y: None)
     assert digest() == with_kernel

@@ -39,7 +39,7 @@ from specray.families import Method, resolve
 from specray.methods.common import GenerationResult, RoundTally, SampleStats, bind_conditions
 from specray.methods.diffusion import cpu_draft
 from specray.methods.diffusion.params import Common, Speculative
-from specray.methods.diffusion.residual import reflect, sample_residual
+from specray.methods.diffusion.residual import DELTA_MIN, KERNEL_CONSTANTS, reflect, sample_residual
 from specray.methods.diffusion.rules import Verdict, block_verify, log_ratio, token_verify
 from specray.models import cpu_kernels
 
@@ -397,6 +397,14 @@ def _resample(chain: GaussianChain, rnd: _Round, cut: torch.Tensor, Y: torch.Ten
     target and draft kernels out of ``y_tau`` with the slot's ``residual_draws``, or without them the
     reflection of the rejected draft; in float64."""
     t_c = verdict.tau[cut]
+    kernel = _residual_kernel(chain, Y) if residual_draws is not None else None
+    if kernel is not None:  # the affine chain's mean and the residual draw in one call (the same values)
+        log_alpha = verdict.log_alpha[cut] if residual_alpha == "w_tau" else torch.zeros(cut.shape[0], dtype=torch.float64)
+        u, zeta = residual_draws.at(cut, t_c, tuple(Y.shape[2:]))
+        y = kernel(Y[cut, t_c], E[cut, t_c], rnd.coef[:, cut, t_c], Delta[cut, t_c], log_alpha, u, zeta,
+                   KERNEL_CONSTANTS, DELTA_MIN)
+        if y is not None:
+            return y
     k_c = rnd.kk[cut] + t_c
     m_q = _mean(chain, Y[cut, t_c], E[cut, t_c], k_c)
     sigma_c = chain.sigma[k_c]
@@ -405,6 +413,39 @@ def _resample(chain: GaussianChain, rnd: _Round, cut: torch.Tensor, Y: torch.Ten
     log_alpha = verdict.log_alpha[cut] if residual_alpha == "w_tau" else torch.zeros_like(verdict.log_alpha[cut])
     u, zeta = residual_draws.at(cut, t_c, tuple(Y.shape[2:]))
     return sample_residual(m_q, Delta[cut, t_c], sigma_c, log_alpha, u, zeta)
+
+
+def _residual_kernel(chain: GaussianChain, Y: torch.Tensor) -> Callable | None:
+    """The C++ resampled states (``residual_states``) for an affine chain's CPU states, where the process has loaded
+    specray's kernels and the kernel gave :func:`_mean` and :func:`sample_residual`'s values in this process."""
+    if chain.clipped_mean is not None or not Y.is_cpu or cpu_kernels.loaded() is None or not cpu_kernels.ENABLED:
+        return None
+    return cpu_kernels.checked("residual_states", 0, _residual_kernel_matches)
+
+
+def _residual_kernel_matches(kernel: Callable, _size: int) -> bool:
+    """Whether ``kernel`` gives :func:`_mean` then :func:`sample_residual`'s values (bit for bit, NaN for NaN): float32
+    and float64 states of 1, 3 and 8 rows of 1, 5 and 64 elements (seed 9), identical kernels (a tiny Delta) and
+    alpha = 1 among them."""
+    gen = torch.Generator().manual_seed(9)
+    for dtype, r, shape in itertools.product((torch.float32, torch.float64), (1, 3, 8), ((1,), (5,), (1, 8, 8))):
+        x, eps = (torch.randn((r,) + shape, dtype=torch.float64, generator=gen).to(dtype) for _ in range(2))
+        coef = torch.stack([torch.rand(r, dtype=torch.float64, generator=gen) + 0.5,
+                            torch.randn(r, dtype=torch.float64, generator=gen), torch.rand(r, dtype=torch.float64,
+                                                                                            generator=gen) + 0.01])
+        Delta = torch.randn((r,) + shape, dtype=torch.float64, generator=gen) * torch.exp(
+            2 * torch.randn(r, dtype=torch.float64, generator=gen)).reshape((r,) + (1,) * len(shape))
+        Delta[0] *= 1e-12 if r == 3 else 1.0
+        log_alpha = -torch.rand(r, dtype=torch.float64, generator=gen) * 3
+        log_alpha[-1] = 0.0
+        u = 1 - torch.rand(r, dtype=torch.float64, generator=gen)
+        zeta = torch.randn((r,) + shape, dtype=torch.float64, generator=gen)
+        chain, k = GaussianChain(A=coef[0], B=coef[1], sigma=coef[2], target_eps=None), torch.arange(r)
+        want = sample_residual(_mean(chain, x, eps, k), Delta, chain.sigma[k], log_alpha, u, zeta)
+        got = kernel(x, eps, coef, Delta, log_alpha, u, zeta, KERNEL_CONSTANTS, DELTA_MIN)
+        if got is None or got.shape != want.shape or not cpu_kernels.same_values(got, want):
+            return False
+    return True
 
 
 def _bcast(mask: torch.Tensor, like: torch.Tensor) -> torch.Tensor:

@@ -110,3 +110,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> block_verdict(const a
                                                                          const at::Tensor& delta, const at::Tensor& g,
                                                                          const at::Tensor& eta,
                                                                          const at::Tensor& constants, double delta_min);
+
+// A diffusion round's resampled states: rows r of state x and target eps [r, ...] (float32 or float64), the steps'
+// coef [3, r] (A, B, sigma), Delta and the residual's noise zeta [r, ...] and log_alpha, u [r] (float64), with the
+// values of specray/methods/diffusion/loop.py's _mean (affine) and residual.py's sample_residual, in float64, shaped
+// like x (residual_draw.cpp). An undefined tensor where the call is not one it serves.
+at::Tensor residual_states(const at::Tensor& x, const at::Tensor& eps, const at::Tensor& coef, const at::Tensor& Delta,
+                           const at::Tensor& log_alpha, const at::Tensor& u, const at::Tensor& zeta,
+                           const at::Tensor& constants, double delta_min);
