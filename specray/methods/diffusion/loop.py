@@ -397,12 +397,12 @@ def _resample(chain: GaussianChain, rnd: _Round, cut: torch.Tensor, Y: torch.Ten
     target and draft kernels out of ``y_tau`` with the slot's ``residual_draws``, or without them the
     reflection of the rejected draft; in float64."""
     t_c = verdict.tau[cut]
-    kernel = _residual_kernel(chain, Y) if residual_draws is not None else None
-    if kernel is not None:  # the affine chain's mean and the residual draw in one call (the same values)
-        log_alpha = verdict.log_alpha[cut] if residual_alpha == "w_tau" else torch.zeros(cut.shape[0], dtype=torch.float64)
+    if residual_draws is not None:
+        log_alpha = verdict.log_alpha[cut] if residual_alpha == "w_tau" else torch.zeros_like(verdict.log_alpha[cut])
         u, zeta = residual_draws.at(cut, t_c, tuple(Y.shape[2:]))
+        kernel = _residual_kernel(chain, Y)  # the affine chain's mean and the residual draw in one call
         y = kernel(Y[cut, t_c], E[cut, t_c], rnd.coef[:, cut, t_c], Delta[cut, t_c], log_alpha, u, zeta,
-                   KERNEL_CONSTANTS, DELTA_MIN)
+                   KERNEL_CONSTANTS, DELTA_MIN) if kernel is not None else None
         if y is not None:
             return y
     k_c = rnd.kk[cut] + t_c
@@ -410,8 +410,6 @@ def _resample(chain: GaussianChain, rnd: _Round, cut: torch.Tensor, Y: torch.Ten
     sigma_c = chain.sigma[k_c]
     if residual_draws is None:
         return reflect(m_q, Delta[cut, t_c], sigma_c, xi[cut, t_c])
-    log_alpha = verdict.log_alpha[cut] if residual_alpha == "w_tau" else torch.zeros_like(verdict.log_alpha[cut])
-    u, zeta = residual_draws.at(cut, t_c, tuple(Y.shape[2:]))
     return sample_residual(m_q, Delta[cut, t_c], sigma_c, log_alpha, u, zeta)
 
 
@@ -430,9 +428,10 @@ def _residual_kernel_matches(kernel: Callable, _size: int) -> bool:
     gen = torch.Generator().manual_seed(9)
     for dtype, r, shape in itertools.product((torch.float32, torch.float64), (1, 3, 8), ((1,), (5,), (1, 8, 8))):
         x, eps = (torch.randn((r,) + shape, dtype=torch.float64, generator=gen).to(dtype) for _ in range(2))
-        coef = torch.stack([torch.rand(r, dtype=torch.float64, generator=gen) + 0.5,
-                            torch.randn(r, dtype=torch.float64, generator=gen), torch.rand(r, dtype=torch.float64,
-                                                                                            generator=gen) + 0.01])
+        A, B, sigma = (torch.rand(r, dtype=torch.float64, generator=gen) + 0.5,
+                       torch.randn(r, dtype=torch.float64, generator=gen),
+                       torch.rand(r, dtype=torch.float64, generator=gen) + 0.01)
+        coef = torch.stack([A, B, sigma])
         Delta = torch.randn((r,) + shape, dtype=torch.float64, generator=gen) * torch.exp(
             2 * torch.randn(r, dtype=torch.float64, generator=gen)).reshape((r,) + (1,) * len(shape))
         Delta[0] *= 1e-12 if r == 3 else 1.0
@@ -440,7 +439,7 @@ def _residual_kernel_matches(kernel: Callable, _size: int) -> bool:
         log_alpha[-1] = 0.0
         u = 1 - torch.rand(r, dtype=torch.float64, generator=gen)
         zeta = torch.randn((r,) + shape, dtype=torch.float64, generator=gen)
-        chain, k = GaussianChain(A=coef[0], B=coef[1], sigma=coef[2], target_eps=None), torch.arange(r)
+        chain, k = GaussianChain(A=A, B=B, sigma=sigma, target_eps=None), torch.arange(r)
         want = sample_residual(_mean(chain, x, eps, k), Delta, chain.sigma[k], log_alpha, u, zeta)
         got = kernel(x, eps, coef, Delta, log_alpha, u, zeta, KERNEL_CONSTANTS, DELTA_MIN)
         if got is None or got.shape != want.shape or not cpu_kernels.same_values(got, want):

@@ -188,9 +188,10 @@ def _block_kernel_matches(kernel: Callable, _size: int) -> bool:
     """Whether ``kernel`` gives :func:`_block_verify_tensors`' tau, log alpha and expected advance, and h (which
     decides tau only through comparisons with the coins), on :func:`_check_rounds`, bit for bit but NaN for NaN."""
     for log_rho, delta, g, eta in _check_rounds():
-        got, want = kernel(log_rho, delta, g, eta, KERNEL_CONSTANTS, DELTA_MIN), _block_verify_tensors(log_rho, delta, g, eta)
-        if got[0] is None or not _same_verdict(got, want) or not cpu_kernels.same_values(
-                got[3], block_weights(log_rho, delta, g)[1]):
+        got = kernel(log_rho, delta, g, eta, KERNEL_CONSTANTS, DELTA_MIN)
+        if got[0] is None or not _same_verdict(got, _block_verify_tensors(log_rho, delta, g, eta)):
+            return False
+        if not cpu_kernels.same_values(got[3], block_weights(log_rho, delta, g)[1]):
             return False
     return True
 
@@ -214,6 +215,6 @@ def _check_rounds() -> list[tuple[torch.Tensor, ...]]:
         rounds.append((log_rho, delta, g, torch.rand(n, G, dtype=torch.float64, generator=gen)))
     edges = [0.0, -0.0, 1e-300, -0.3, 2.0, -1e300, -math.inf, 40.0, math.inf]
     for d, r in itertools.product(edges, edges):
-        rounds.append((torch.tensor([[r, -0.5]], dtype=torch.float64), torch.tensor([[abs(d), 0.7]], dtype=torch.float64),
-                       torch.tensor([2]), torch.full((1, 2), 0.5, dtype=torch.float64)))
+        log_rho, delta = (torch.tensor([[a, b]], dtype=torch.float64) for a, b in ((r, -0.5), (abs(d), 0.7)))
+        rounds.append((log_rho, delta, torch.tensor([2]), torch.full((1, 2), 0.5, dtype=torch.float64)))
     return rounds
