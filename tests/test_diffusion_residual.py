@@ -181,6 +181,19 @@ def test_newton_matches_bisection() -> None:
     assert torch.max(torch.abs(newton - bisection) / (1 + bisection.abs())) < 1e-8
 
 
+def random_draws(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(delta, log_alpha, u)``: delta and -log alpha log-normal over many decades, alpha = 1 for a tenth, u = 1
+    for 25 and u = e^(-700 U) for 50 (the far tails, a < -600, the bisection fallback)."""
+    gen = torch.Generator().manual_seed(seed)
+    delta = torch.exp(3 * torch.randn(n, dtype=torch.float64, generator=gen))
+    log_alpha = -torch.exp(3 * torch.randn(n, dtype=torch.float64, generator=gen))
+    log_alpha[: n // 10] = 0.0
+    u = 1 - torch.rand(n, dtype=torch.float64, generator=gen)
+    u[n // 10 : n // 10 + 25] = 1.0
+    u[n // 10 + 25 : n // 10 + 75] = torch.exp(-700 * torch.rand(50, dtype=torch.float64, generator=gen))
+    return delta, log_alpha, u
+
+
 @pytest.fixture
 def python_path(monkeypatch):
     """The one-row path on Python floats, not the C++ draws a process that loaded specray's kernels takes
@@ -194,14 +207,8 @@ def test_one_row_on_the_host_gives_the_tensor_paths_bits(monkeypatch, python_pat
     (seed 41; delta and -log alpha log-normal over many decades, alpha = 1 for a tenth, u = 1 for 25 and
     u = e^(-700 U) for 50). The draw reaches the far-tail branches (c < -30), the lower bracket end below
     a = -600, the bisection fallback and the loop's three exits (a fixed point, a period of 2, all 16 steps)."""
-    gen = torch.Generator().manual_seed(41)
     n = 1500
-    delta = torch.exp(3 * torch.randn(n, dtype=torch.float64, generator=gen))
-    log_alpha = -torch.exp(3 * torch.randn(n, dtype=torch.float64, generator=gen))
-    log_alpha[: n // 10] = 0.0
-    u = 1 - torch.rand(n, dtype=torch.float64, generator=gen)
-    u[n // 10 : n // 10 + 25] = 1.0
-    u[n // 10 + 25 : n // 10 + 75] = torch.exp(-700 * torch.rand(50, dtype=torch.float64, generator=gen))
+    delta, log_alpha, u = random_draws(n, 41)
     rows = [(delta[i : i + 1], log_alpha[i : i + 1], u[i : i + 1]) for i in range(n)]
     on_host = torch.cat([sample_psi(*row) for row in rows])
     monkeypatch.setattr(residual, "ONE_ROW_ON_HOST", False)

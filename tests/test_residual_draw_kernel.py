@@ -14,6 +14,7 @@ import torch
 from specray.methods.diffusion import loop, residual
 from specray.methods.diffusion.residual import sample_psi
 from specray.models import cpu_kernels
+from tests.test_diffusion_residual import random_draws
 
 
 @pytest.fixture(scope="module")
@@ -23,19 +24,6 @@ def kernel():
     found = residual._draws_kernel(torch.zeros(1))
     assert found is not None, "the draws kernel built but did not give the Python path's bits (see the log)"
     return found
-
-
-def draws(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Another set than the check's: delta and -log alpha log-normal over many decades, alpha = 1 for a tenth,
-    u = 1 for 25 and u = e^(-700 U) for 50 (the far tails, a < -600, the bisection fallback)."""
-    gen = torch.Generator().manual_seed(seed)
-    delta = torch.exp(3 * torch.randn(n, dtype=torch.float64, generator=gen))
-    log_alpha = -torch.exp(3 * torch.randn(n, dtype=torch.float64, generator=gen))
-    log_alpha[: n // 10] = 0.0
-    u = 1 - torch.rand(n, dtype=torch.float64, generator=gen)
-    u[n // 10 : n // 10 + 25] = 1.0
-    u[n // 10 + 25 : n // 10 + 75] = torch.exp(-700 * torch.rand(50, dtype=torch.float64, generator=gen))
-    return delta, log_alpha, u
 
 
 def on_tensors(monkeypatch, *args) -> torch.Tensor:
@@ -48,7 +36,7 @@ def on_tensors(monkeypatch, *args) -> torch.Tensor:
 
 def test_one_row_draws_give_the_tensor_paths_bits(kernel, monkeypatch) -> None:
     """1,500 one-row draws (seed 41), each a call of its own as the loop's cut row at batch 1 makes it."""
-    rows = [tuple(t[i : i + 1] for t in draws(1500, 41)) for i in range(1500)]
+    rows = [tuple(t[i : i + 1] for t in random_draws(1500, 41)) for i in range(1500)]
     with_kernel = torch.cat([sample_psi(*row) for row in rows])
     assert cpu_kernels.same_values(with_kernel, torch.cat([on_tensors(monkeypatch, *row) for row in rows]))
 
@@ -57,7 +45,7 @@ def test_one_row_draws_give_the_tensor_paths_bits(kernel, monkeypatch) -> None:
 def test_many_rows_give_the_tensor_paths_bits(kernel, monkeypatch, n: int) -> None:
     """A batch's cut rows in one call (seed 43): the tensor path stops its Newton loop when every row's state has
     recurred, the kernel row by row; both give each row's 16-step value."""
-    delta, log_alpha, u = draws(n, 43) if n > 100 else (t[:n] for t in draws(200, 43 + n))
+    delta, log_alpha, u = random_draws(n, 43) if n > 100 else (t[:n] for t in random_draws(200, 43 + n))
     got = sample_psi(delta, log_alpha, u)
     assert got.shape == (n,) and cpu_kernels.same_values(got, on_tensors(monkeypatch, delta, log_alpha, u))
 
