@@ -213,7 +213,7 @@ def test_residual_draws_keyed_by_round_and_resampled_step(monkeypatch: pytest.Mo
     monkeypatch.setattr(loop, "RESIDUAL_NOISE_WITH_ROUND", loop.RESIDUAL_NOISE_WITH_ROUND if noise_with_round else 0)
     # The draws are seen where sample_residual takes them: the C++ resampled states take the same ones, from the
     # same _ResidualDraws.at call (tests/test_residual_draw_kernel.py compares the samples).
-    monkeypatch.setattr(loop, "_residual_kernel", lambda chain, Y: None)
+    monkeypatch.setattr(loop, "_states_kernel", lambda chain, Y, name: None)
 
     seen: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = []
     original_resample, original_sample = loop._resample, loop.sample_residual

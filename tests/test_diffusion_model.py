@@ -111,7 +111,7 @@ def test_one_row_residual_draws_on_the_host_change_no_bit(method: str, drafter: 
     from specray.methods.diffusion import residual
 
     monkeypatch.setattr(residual, "_draws_kernel", lambda delta: None)
-    monkeypatch.setattr(diffusion_loop, "_residual_kernel", lambda chain, Y: None)
+    monkeypatch.setattr(diffusion_loop, "_states_kernel", lambda chain, Y, name: None)
     pair = random_pair()
     params = {"num_steps": 30, "drafter": drafter, "gamma": 5, "rejection": "residual"}
     solves = []

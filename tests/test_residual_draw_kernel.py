@@ -1,7 +1,7 @@
 """The residual sampler in C++ (``csrc/residual_draw.cpp``): the Newton draws (:func:`residual._draws_kernel`) give
 the tensor path's bits on one row and on many, the Python path serves where the kernel refuses a call, a kernel
-that differs is refused by the check; a round's resampled states (:func:`loop._residual_kernel`) are ``_mean`` and
-``sample_residual``'s values; the diffusion loop's samples are the same with and without either."""
+that differs is refused by the check; a round's new states (:func:`loop._states_kernel`) are ``_mean`` and
+``sample_residual``'s or ``reflect``'s values; the diffusion loop's samples are the same with and without them."""
 
 from __future__ import annotations
 
@@ -106,7 +106,7 @@ def test_diffusion_samples_are_the_same_with_and_without_the_kernel(kernel, monk
         stats = repr([vars(s) for s in result.stats]).encode()
         return hashlib.sha256(result.images.numpy().tobytes() + stats).hexdigest()
 
-    monkeypatch.setattr(loop, "_residual_kernel", lambda chain, Y: None)  # the draws through sample_residual
+    monkeypatch.setattr(loop, "_states_kernel", lambda chain, Y, name: None)  # the draws through sample_residual
     calls = []
     monkeypatch.setattr(residual, "_draws_kernel", lambda delta: calls.append(1) or kernel)
     with_kernel = digest()
@@ -119,8 +119,13 @@ def test_diffusion_samples_are_the_same_with_and_without_the_kernel(kernel, monk
 def states_kernel():
     if cpu_kernels.extension() is None:
         pytest.skip("the CPU kernels did not build here (see the log)")
-    found = loop._residual_kernel(loop.GaussianChain(torch.ones(1), torch.ones(1), torch.ones(1), None), torch.zeros(1))
-    assert found is not None, "the resampled-states kernel built but did not give torch's values (see the log)"
+    return states("residual_states")
+
+
+def states(name: str):
+    found = loop._states_kernel(loop.GaussianChain(torch.ones(1), torch.ones(1), torch.ones(1), None), torch.zeros(1),
+                                name)
+    assert found is not None, f"the {name} kernel built but did not give torch's values (see the log)"
     return found
 
 
@@ -163,8 +168,8 @@ def test_a_resampled_states_kernel_that_differs_is_refused(states_kernel) -> Non
         y.view(-1)[0] = math.nextafter(y.view(-1)[0].item(), math.inf)
         return y
 
-    assert loop._residual_kernel_matches(states_kernel, 0)
-    assert not loop._residual_kernel_matches(off_by_an_ulp, 0)
+    assert loop._states_kernel_matches(states_kernel, 0, reflected=False)
+    assert not loop._states_kernel_matches(off_by_an_ulp, 0, reflected=False)
 
 
 @pytest.mark.parametrize("method, batch", [("spec_block", 1), ("spec_block", 6), ("spec_token", 2)])
@@ -185,8 +190,62 @@ def test_diffusion_samples_are_the_same_with_and_without_the_states_kernel(state
         return hashlib.sha256(result.images.numpy().tobytes() + stats).hexdigest()
 
     calls = []
-    monkeypatch.setattr(loop, "_residual_kernel", lambda chain, Y: calls.append(1) or states_kernel)
+    real = loop._states_kernel
+    monkeypatch.setattr(loop, "_states_kernel", lambda chain, Y, name: calls.append(name) or real(chain, Y, name))
     with_kernel = digest()
-    assert calls
-    monkeypatch.setattr(loop, "_residual_kernel", lambda chain, Y: None)
+    assert calls == ["residual_states"] * len(calls) and calls
+    monkeypatch.setattr(loop, "_states_kernel", lambda chain, Y, name: None)
     assert digest() == with_kernel
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_reflected_states_are_the_python_paths(states_kernel, dtype: torch.dtype) -> None:
+    """The affine chain's mean and ``reflect`` (40 rows of 2 x 16 x 16 and 1 row of 1 x 8 x 8, seed 17; a row of
+    identical kernels among them, which ``reflect`` reflects about Delta / 1 all the same)."""
+    kernel = states("reflected_states")
+    gen = torch.Generator().manual_seed(17)
+    for rows, shape in ((40, (2, 16, 16)), (1, (1, 8, 8))):
+        x, eps = (torch.randn((rows,) + shape, dtype=torch.float64, generator=gen).to(dtype) for _ in range(2))
+        coef = torch.rand(3, rows, dtype=torch.float64, generator=gen) + 0.1
+        Delta = torch.randn((rows,) + shape, dtype=torch.float64, generator=gen)
+        Delta[-1] *= 1e-14
+        xi = torch.randn((rows,) + shape, dtype=torch.float64, generator=gen)
+        got = kernel(x, eps, coef, Delta, xi, residual.DELTA_MIN)
+        chain, k = loop.GaussianChain(coef[0], coef[1], coef[2], None), torch.arange(rows)
+        want = residual.reflect(loop._mean(chain, x, eps, k), Delta, chain.sigma[k], xi)
+        assert got.dtype == torch.float64 and cpu_kernels.same_values(got, want)
+    assert kernel(x, eps, coef[:, :0], Delta, xi, residual.DELTA_MIN) is None  # coef of another row count
+
+
+@pytest.mark.parametrize("drafter, batch", [("free", 1), ("frozen", 4)])
+def test_diffusion_samples_are_the_same_with_and_without_the_reflection_kernel(states_kernel, monkeypatch,
+                                                                               drafter: str, batch: int) -> None:
+    """Token verification's reflected states through the loop (the built-in pair, K = 30, seed 5): images and
+    statistics unchanged, and the reflection off by one ulp refused by the check."""
+    from specray.models.diffusion import load_pair
+
+    pair = load_pair("digits-ddpm", "digits-ddpm-draft", "cpu")
+    ids = torch.arange(batch) + 31
+    kernel = states("reflected_states")
+
+    def digest() -> str:
+        with torch.inference_mode():
+            result = loop.run_batch("spec_token", {"num_steps": 30, "drafter": drafter, "gamma": 5}, pair, ids % 10,
+                                    ids, 5)
+        stats = repr([vars(s) for s in result.stats]).encode()
+        return hashlib.sha256(result.images.numpy().tobytes() + stats).hexdigest()
+
+    calls = []
+    real = loop._states_kernel
+    monkeypatch.setattr(loop, "_states_kernel", lambda chain, Y, name: calls.append(name) or real(chain, Y, name))
+    with_kernel = digest()
+    assert calls and set(calls) == {"reflected_states"}
+    monkeypatch.setattr(loop, "_states_kernel", lambda chain, Y, name: None)
+    assert digest() == with_kernel
+
+    def off_by_an_ulp(*args):
+        y = kernel(*args)
+        y.view(-1)[-1] = math.nextafter(y.view(-1)[-1].item(), -math.inf)
+        return y
+
+    assert not loop._states_kernel_matches(off_by_an_ulp, 0, reflected=True)

@@ -25,6 +25,7 @@ network calls; ``extra``: ``states_evaluated`` (target states, CFG not doubled),
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from collections.abc import Callable
@@ -397,51 +398,59 @@ def _resample(chain: GaussianChain, rnd: _Round, cut: torch.Tensor, Y: torch.Ten
     target and draft kernels out of ``y_tau`` with the slot's ``residual_draws``, or without them the
     reflection of the rejected draft; in float64."""
     t_c = verdict.tau[cut]
+    x, eps, D = Y[cut, t_c], E[cut, t_c], Delta[cut, t_c]
     if residual_draws is not None:
         log_alpha = verdict.log_alpha[cut] if residual_alpha == "w_tau" else torch.zeros_like(verdict.log_alpha[cut])
         u, zeta = residual_draws.at(cut, t_c, tuple(Y.shape[2:]))
-        kernel = _residual_kernel(chain, Y)  # the affine chain's mean and the residual draw in one call
-        y = kernel(Y[cut, t_c], E[cut, t_c], rnd.coef[:, cut, t_c], Delta[cut, t_c], log_alpha, u, zeta,
-                   KERNEL_CONSTANTS, DELTA_MIN) if kernel is not None else None
-        if y is not None:
-            return y
+        name, draws = "residual_states", (log_alpha, u, zeta, KERNEL_CONSTANTS)
+    else:
+        name, draws = "reflected_states", (xi[cut, t_c],)
+    kernel = _states_kernel(chain, Y, name)  # the affine chain's mean and the new state in one call
+    y = kernel(x, eps, rnd.coef[:, cut, t_c], D, *draws, DELTA_MIN) if kernel is not None else None
+    if y is not None:
+        return y
     k_c = rnd.kk[cut] + t_c
-    m_q = _mean(chain, Y[cut, t_c], E[cut, t_c], k_c)
+    m_q = _mean(chain, x, eps, k_c)
     sigma_c = chain.sigma[k_c]
     if residual_draws is None:
-        return reflect(m_q, Delta[cut, t_c], sigma_c, xi[cut, t_c])
-    return sample_residual(m_q, Delta[cut, t_c], sigma_c, log_alpha, u, zeta)
+        return reflect(m_q, D, sigma_c, draws[0])
+    return sample_residual(m_q, D, sigma_c, log_alpha, u, zeta)
 
 
-def _residual_kernel(chain: GaussianChain, Y: torch.Tensor) -> Callable | None:
-    """The C++ resampled states (``residual_states``) for an affine chain's CPU states, where the process has loaded
-    specray's kernels and the kernel gave :func:`_mean` and :func:`sample_residual`'s values in this process."""
+def _states_kernel(chain: GaussianChain, Y: torch.Tensor, name: str) -> Callable | None:
+    """The C++ new states of a round's cut rows (``residual_states`` or ``reflected_states``) for an affine chain's
+    CPU states, where the process has loaded specray's kernels and the kernel gave :func:`_mean` and
+    :func:`sample_residual`'s or :func:`reflect`'s values in this process."""
     if chain.clipped_mean is not None or not Y.is_cpu or cpu_kernels.loaded() is None or not cpu_kernels.ENABLED:
         return None
-    return cpu_kernels.checked("residual_states", 0, _residual_kernel_matches)
+    return cpu_kernels.checked(name, 0, functools.partial(_states_kernel_matches, reflected=name == "reflected_states"))
 
 
-def _residual_kernel_matches(kernel: Callable, _size: int) -> bool:
-    """Whether ``kernel`` gives :func:`_mean` then :func:`sample_residual`'s values (bit for bit, NaN for NaN): float32
-    and float64 states of 1, 3 and 8 rows of 1, 5 and 64 elements (seed 9), identical kernels (a tiny Delta) and
-    alpha = 1 among them."""
+def _states_kernel_matches(kernel: Callable, _size: int, reflected: bool) -> bool:
+    """Whether ``kernel`` gives :func:`_mean` then :func:`sample_residual`'s (or :func:`reflect`'s) values, bit for bit
+    but NaN for NaN: float32 and float64 states of 1, 3 and 8 rows of 1, 5 and 64 elements (seed 9), identical kernels
+    (a tiny Delta) and alpha = 1 among them."""
     gen = torch.Generator().manual_seed(9)
     for dtype, r, shape in itertools.product((torch.float32, torch.float64), (1, 3, 8), ((1,), (5,), (1, 8, 8))):
         x, eps = (torch.randn((r,) + shape, dtype=torch.float64, generator=gen).to(dtype) for _ in range(2))
         A, B, sigma = (torch.rand(r, dtype=torch.float64, generator=gen) + 0.5,
                        torch.randn(r, dtype=torch.float64, generator=gen),
                        torch.rand(r, dtype=torch.float64, generator=gen) + 0.01)
-        coef = torch.stack([A, B, sigma])
         Delta = torch.randn((r,) + shape, dtype=torch.float64, generator=gen) * torch.exp(
             2 * torch.randn(r, dtype=torch.float64, generator=gen)).reshape((r,) + (1,) * len(shape))
         Delta[0] *= 1e-12 if r == 3 else 1.0
         log_alpha = -torch.rand(r, dtype=torch.float64, generator=gen) * 3
         log_alpha[-1] = 0.0
         u = 1 - torch.rand(r, dtype=torch.float64, generator=gen)
-        zeta = torch.randn((r,) + shape, dtype=torch.float64, generator=gen)
+        noise = torch.randn((r,) + shape, dtype=torch.float64, generator=gen)
         chain, k = GaussianChain(A=A, B=B, sigma=sigma, target_eps=None), torch.arange(r)
-        want = sample_residual(_mean(chain, x, eps, k), Delta, chain.sigma[k], log_alpha, u, zeta)
-        got = kernel(x, eps, coef, Delta, log_alpha, u, zeta, KERNEL_CONSTANTS, DELTA_MIN)
+        m_q, coef = _mean(chain, x, eps, k), torch.stack([A, B, sigma])
+        if reflected:
+            want = reflect(m_q, Delta, sigma, noise)
+            got = kernel(x, eps, coef, Delta, noise, DELTA_MIN)
+        else:
+            want = sample_residual(m_q, Delta, sigma, log_alpha, u, noise)
+            got = kernel(x, eps, coef, Delta, log_alpha, u, noise, KERNEL_CONSTANTS, DELTA_MIN)
         if got is None or got.shape != want.shape or not cpu_kernels.same_values(got, want):
             return False
     return True

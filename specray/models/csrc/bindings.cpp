@@ -24,6 +24,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("draft_affine", &draft_affine, "a diffusion round's drafted states with a fixed eps, torch's values");
   m.def("psi_draws", &psi_draws, "the residual sampler's 1-D draws with the bits of its one-row Newton solve");
   m.def("residual_states", &residual_states, "a diffusion round's resampled states with the values of torch's operations");
+  m.def("reflected_states", &reflected_states, "a diffusion round's reflected states with the values of torch's operations");
   m.def("token_verdict", &token_verdict, "a diffusion round's token verification with the values of torch's operations");
   m.def("block_verdict", &block_verdict, "a diffusion round's block verification with the values of torch's operations");
 }

@@ -118,3 +118,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> block_verdict(const a
 at::Tensor residual_states(const at::Tensor& x, const at::Tensor& eps, const at::Tensor& coef, const at::Tensor& Delta,
                            const at::Tensor& log_alpha, const at::Tensor& u, const at::Tensor& zeta,
                            const at::Tensor& constants, double delta_min);
+
+// The same rounds' states where a rejected draft is reflected instead (token verification's default): xi [r, ...]
+// (float64) the rejected draft's noise, with the values of loop.py's _mean (affine) and residual.py's reflect.
+at::Tensor reflected_states(const at::Tensor& x, const at::Tensor& eps, const at::Tensor& coef, const at::Tensor& Delta,
+                            const at::Tensor& xi, double delta_min);

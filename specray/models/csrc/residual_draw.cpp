@@ -1,9 +1,9 @@
 // The residual sampler's draws (specray/methods/diffusion/residual.py) with the Python path's arithmetic and torch's
 // transcendental routines (gaussian_math.h): psi_draws, the 1-D draw s ~ psi_alpha(.; delta) (the Newton solve of
-// _sample_psi_one_row) row by row in one call, and residual_states, a diffusion round's resampled states (the
-// affine chain's mean of loop._mean, then sample_residual) in one call, the two row sums (the norm of Delta and
-// <z, e>) as torch operations on the Python path's shapes. residual.py and loop.py compare each kernel with the
-// Python path before using it.
+// _sample_psi_one_row) row by row in one call, and a diffusion round's new states for its cut rows in one call
+// (the affine chain's mean of loop._mean, then sample_residual: residual_states; or reflect: reflected_states), the
+// two row sums (the norm of Delta and <V, e>) as torch operations on the Python paths' shapes. residual.py and
+// loop.py compare each kernel with the Python path before using it.
 #include "kernels.h"
 #include "gaussian_math.h"
 
@@ -102,65 +102,99 @@ at::Tensor psi_draws(const at::Tensor& delta, const at::Tensor& log_alpha, const
   return out;
 }
 
-at::Tensor residual_states(const at::Tensor& x, const at::Tensor& eps, const at::Tensor& coef, const at::Tensor& Delta,
-                           const at::Tensor& log_alpha, const at::Tensor& u, const at::Tensor& zeta,
-                           const at::Tensor& constants, double delta_min) {
-  if (!gaussian_math::routines_found() || x.dim() < 1) return at::Tensor();
-  const int64_t r = x.size(0), E = r > 0 ? x.numel() / r : 0;
-  const auto state = x.scalar_type();
-  for (const at::Tensor* t : {&x, &eps, &Delta, &zeta}) {
+namespace {
+
+// A round's new states y = (A x + B eps) + sigma z for rows r, with z from the unit vector e of Delta and the noise
+// V: ψ_α's draw (s e + V - <V, e> e, or V itself where Delta is below delta_min) given draws (log_alpha, u and the
+// constants), else the reflection of the rejected draft (V - 2 <V, e> e).
+struct Draws {
+  const double* log_alpha;
+  const double* u;
+  Constants k;
+};
+
+bool serves_states(const at::Tensor& x, const at::Tensor& eps, const at::Tensor& coef, const at::Tensor& Delta,
+                   const at::Tensor& noise) {
+  if (!gaussian_math::routines_found() || x.dim() < 1 || x.size(0) == 0 || x.numel() == 0) return false;
+  const int64_t r = x.size(0), E = x.numel() / r;
+  for (const at::Tensor* t : {&x, &eps, &Delta, &noise}) {
     if (!t->device().is_cpu() || !t->is_contiguous() || t->numel() != r * E || t->dim() < 1 || t->size(0) != r)
-      return at::Tensor();
+      return false;
   }
-  for (const at::Tensor* t : {&coef, &Delta, &log_alpha, &u, &zeta, &constants}) {
-    if (!t->device().is_cpu() || t->scalar_type() != at::kDouble || !t->is_contiguous()) return at::Tensor();
+  for (const at::Tensor* t : {&coef, &Delta, &noise}) {
+    if (!t->device().is_cpu() || t->scalar_type() != at::kDouble || !t->is_contiguous()) return false;
   }
-  if ((state != at::kFloat && state != at::kDouble) || eps.scalar_type() != state || coef.numel() != 3 * r ||
-      log_alpha.numel() != r || u.numel() != r || constants.numel() != 4 || r == 0 || E == 0)
-    return at::Tensor();
-  const double* c = constants.data_ptr<double>();
-  const Constants k{c[0], c[1], c[2], c[3]};
+  const auto state = x.scalar_type();
+  return (state == at::kFloat || state == at::kDouble) && eps.scalar_type() == state && coef.numel() == 3 * r;
+}
+
+at::Tensor new_states(const at::Tensor& x, const at::Tensor& eps, const at::Tensor& coef, const at::Tensor& Delta,
+                      const at::Tensor& noise, const Draws* draws, double delta_min) {
+  const int64_t r = x.size(0), E = x.numel() / r;
   const at::Tensor D = Delta.view({r, E});
   const at::Tensor norms = at::linalg_vector_norm(D, 2, at::IntArrayRef{1});  // as torch.linalg.vector_norm(D, dim=1)
   const double* d = D.data_ptr<double>();
-  const double* z_in = zeta.data_ptr<double>();
+  const double* v = noise.data_ptr<double>();
   const double* norm = norms.data_ptr<double>();
   at::Tensor e = at::empty({r, E}, D.options());
-  at::Tensor ze = at::empty({r, E}, D.options());
+  at::Tensor ve = at::empty({r, E}, D.options());
   double* ee = e.data_ptr<double>();
-  double* zz = ze.data_ptr<double>();
+  double* vv = ve.data_ptr<double>();
   for (int64_t i = 0; i < r; ++i) {
     const double safe = norm[i] <= delta_min ? 1.0 : norm[i];
     for (int64_t j = 0; j < E; ++j) {
       ee[i * E + j] = d[i * E + j] / safe;
-      zz[i * E + j] = z_in[i * E + j] * ee[i * E + j];
+      vv[i * E + j] = v[i * E + j] * ee[i * E + j];
     }
   }
-  const at::Tensor dots = at::sum(ze, 1);  // as (Z * e).sum(dim=1)
+  const at::Tensor dots = at::sum(ve, 1);  // as (V * e).sum(dim=1)
   const double* dot = dots.data_ptr<double>();
   const double* A = coef.data_ptr<double>();
   const double* B = A + r;
   const double* sigma = A + 2 * r;
-  const double* la = log_alpha.data_ptr<double>();
-  const double* uu = u.data_ptr<double>();
-  const float* x32 = state == at::kFloat ? x.data_ptr<float>() : nullptr;
-  const float* eps32 = state == at::kFloat ? eps.data_ptr<float>() : nullptr;
-  const double* x_d = state == at::kDouble ? x.data_ptr<double>() : nullptr;
-  const double* eps_d = state == at::kDouble ? eps.data_ptr<double>() : nullptr;
+  const bool single = x.scalar_type() == at::kFloat;
+  const float* x32 = single ? x.data_ptr<float>() : nullptr;
+  const float* eps32 = single ? eps.data_ptr<float>() : nullptr;
+  const double* x64 = single ? nullptr : x.data_ptr<double>();
+  const double* eps64 = single ? nullptr : eps.data_ptr<double>();
   at::Tensor y = at::empty({r, E}, D.options());
   double* out = y.data_ptr<double>();
   for (int64_t i = 0; i < r; ++i) {
-    const bool tiny = norm[i] <= delta_min;  // identical kernels: the state is q's draw, the fresh noise itself
-    const double s = tiny ? 0.0 : sample_psi(k, norm[i], la[i], uu[i]);
+    const bool tiny = norm[i] <= delta_min;  // identical kernels: ψ_α's state is q's draw, the fresh noise itself
+    const double s = draws && !tiny ? sample_psi(draws->k, norm[i], draws->log_alpha[i], draws->u[i]) : 0.0;
     for (int64_t j = 0; j < E; ++j) {
       const int64_t at_ = i * E + j;
-      const double x64 = x32 ? x32[at_] : x_d[at_];
-      const double eps64 = eps32 ? eps32[at_] : eps_d[at_];
-      const double mean = A[i] * x64 + B[i] * eps64;
-      const double z_perp = z_in[at_] - dot[i] * ee[at_];
-      const double z = tiny ? z_in[at_] : s * ee[at_] + z_perp;
+      const double mean = A[i] * (single ? x32[at_] : x64[at_]) + B[i] * (single ? eps32[at_] : eps64[at_]);
+      double z;
+      if (!draws) {
+        z = v[at_] - 2 * dot[i] * ee[at_];  // reflect: X - 2 <X, e> e
+      } else {
+        z = tiny ? v[at_] : s * ee[at_] + (v[at_] - dot[i] * ee[at_]);
+      }
       out[at_] = mean + sigma[i] * z;
     }
   }
   return y.view(x.sizes());
+}
+
+}  // namespace
+
+at::Tensor residual_states(const at::Tensor& x, const at::Tensor& eps, const at::Tensor& coef, const at::Tensor& Delta,
+                           const at::Tensor& log_alpha, const at::Tensor& u, const at::Tensor& zeta,
+                           const at::Tensor& constants, double delta_min) {
+  if (!serves_states(x, eps, coef, Delta, zeta)) return at::Tensor();
+  const int64_t r = x.size(0);
+  for (const at::Tensor* t : {&log_alpha, &u, &constants}) {
+    if (!t->device().is_cpu() || t->scalar_type() != at::kDouble || !t->is_contiguous()) return at::Tensor();
+  }
+  if (log_alpha.numel() != r || u.numel() != r || constants.numel() != 4) return at::Tensor();
+  const double* c = constants.data_ptr<double>();
+  const Draws draws{log_alpha.data_ptr<double>(), u.data_ptr<double>(), Constants{c[0], c[1], c[2], c[3]}};
+  return new_states(x, eps, coef, Delta, zeta, &draws, delta_min);
+}
+
+at::Tensor reflected_states(const at::Tensor& x, const at::Tensor& eps, const at::Tensor& coef, const at::Tensor& Delta,
+                            const at::Tensor& xi, double delta_min) {
+  if (!serves_states(x, eps, coef, Delta, xi)) return at::Tensor();
+  return new_states(x, eps, coef, Delta, xi, nullptr, delta_min);
 }
