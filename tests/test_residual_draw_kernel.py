@@ -34,6 +34,17 @@ def on_tensors(monkeypatch, *args) -> torch.Tensor:
         monkeypatch.setattr(residual, "ONE_ROW_ON_HOST", True)
 
 
+def sample_digest(method: str, params: dict, batch: int, first_id: int) -> str:
+    """SHA-256 of a diffusion batch's images and statistics (the built-in pair, sample ids from ``first_id``, seed 5)."""
+    from specray.models.diffusion import load_pair
+
+    ids = torch.arange(batch) + first_id
+    with torch.inference_mode():
+        result = loop.run_batch(method, params, load_pair("digits-ddpm", "digits-ddpm-draft", "cpu"), ids % 10, ids, 5)
+    stats = repr([vars(s) for s in result.stats]).encode()
+    return hashlib.sha256(result.images.numpy().tobytes() + stats).hexdigest()
+
+
 def test_one_row_draws_give_the_tensor_paths_bits(kernel, monkeypatch) -> None:
     """1,500 one-row draws (seed 41), each a call of its own as the loop's cut row at batch 1 makes it."""
     rows = [tuple(t[i : i + 1] for t in random_draws(1500, 41)) for i in range(1500)]
@@ -94,17 +105,8 @@ def test_a_kernel_that_differs_is_refused() -> None:
 def test_diffusion_samples_are_the_same_with_and_without_the_kernel(kernel, monkeypatch, verification: str,
                                                                     batch: int) -> None:
     """ψ_α's draws through the loop (the built-in pair, K = 30, seed 5): images and statistics unchanged."""
-    from specray.models.diffusion import load_pair
-
-    pair = load_pair("digits-ddpm", "digits-ddpm-draft", "cpu")
     params = {"num_steps": 30, "drafter": "free", "gamma": 5, "rejection": "residual"}
-    ids = torch.arange(batch) + 11
-
-    def digest() -> str:
-        with torch.inference_mode():
-            result = loop.run_batch(f"spec_{verification}", params, pair, ids % 10, ids, 5)
-        stats = repr([vars(s) for s in result.stats]).encode()
-        return hashlib.sha256(result.images.numpy().tobytes() + stats).hexdigest()
+    digest = lambda: sample_digest(f"spec_{verification}", params, batch, 11)  # noqa: E731
 
     monkeypatch.setattr(loop, "_states_kernel", lambda chain, Y, name: None)  # the draws through sample_residual
     calls = []
@@ -177,17 +179,8 @@ def test_diffusion_samples_are_the_same_with_and_without_the_states_kernel(state
                                                                            batch: int) -> None:
     """ψ_α's resampled states through the loop (the built-in pair, K = 30, Free drafter, seed 5): images and
     statistics unchanged."""
-    from specray.models.diffusion import load_pair
-
-    pair = load_pair("digits-ddpm", "digits-ddpm-draft", "cpu")
     params = {"num_steps": 30, "drafter": "free", "gamma": 5, "rejection": "residual"}
-    ids = torch.arange(batch) + 21
-
-    def digest() -> str:
-        with torch.inference_mode():
-            result = loop.run_batch(method, params, pair, ids % 10, ids, 5)
-        stats = repr([vars(s) for s in result.stats]).encode()
-        return hashlib.sha256(result.images.numpy().tobytes() + stats).hexdigest()
+    digest = lambda: sample_digest(method, params, batch, 21)  # noqa: E731
 
     calls = []
     real = loop._states_kernel
@@ -222,18 +215,8 @@ def test_diffusion_samples_are_the_same_with_and_without_the_reflection_kernel(s
                                                                                drafter: str, batch: int) -> None:
     """Token verification's reflected states through the loop (the built-in pair, K = 30, seed 5): images and
     statistics unchanged, and the reflection off by one ulp refused by the check."""
-    from specray.models.diffusion import load_pair
-
-    pair = load_pair("digits-ddpm", "digits-ddpm-draft", "cpu")
-    ids = torch.arange(batch) + 31
     kernel = states("reflected_states")
-
-    def digest() -> str:
-        with torch.inference_mode():
-            result = loop.run_batch("spec_token", {"num_steps": 30, "drafter": drafter, "gamma": 5}, pair, ids % 10,
-                                    ids, 5)
-        stats = repr([vars(s) for s in result.stats]).encode()
-        return hashlib.sha256(result.images.numpy().tobytes() + stats).hexdigest()
+    digest = lambda: sample_digest("spec_token", {"num_steps": 30, "drafter": drafter, "gamma": 5}, batch, 31)  # noqa: E731
 
     calls = []
     real = loop._states_kernel

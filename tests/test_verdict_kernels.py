@@ -6,16 +6,16 @@ the kernels."""
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 import math
 
 import pytest
 import torch
 
-from specray.methods.diffusion import loop, rules
+from specray.methods.diffusion import rules
 from specray.methods.diffusion.residual import DELTA_MIN, KERNEL_CONSTANTS
 from specray.models import cpu_kernels
+from tests.test_residual_draw_kernel import sample_digest
 
 RULES = ["token", "block"]
 
@@ -148,16 +148,7 @@ def test_kernels_that_differ_are_refused(kernel) -> None:
 def test_diffusion_samples_are_the_same_with_and_without_the_kernels(kernel, monkeypatch, method: str, drafter: str,
                                                                      batch: int) -> None:
     """Verification through the loop (the built-in pair, K = 30, seed 5): images and statistics unchanged."""
-    from specray.models.diffusion import load_pair
-
-    pair = load_pair("digits-ddpm", "digits-ddpm-draft", "cpu")
-    ids = torch.arange(batch) + 11
-
-    def digest() -> str:
-        with torch.inference_mode():
-            result = loop.run_batch(method, {"num_steps": 30, "drafter": drafter, "gamma": 5}, pair, ids % 10, ids, 5)
-        stats = repr([vars(s) for s in result.stats]).encode()
-        return hashlib.sha256(result.images.numpy().tobytes() + stats).hexdigest()
+    digest = lambda: sample_digest(method, {"num_steps": 30, "drafter": drafter, "gamma": 5}, batch, 11)  # noqa: E731
 
     calls = []
     real = rules._kernel
