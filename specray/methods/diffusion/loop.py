@@ -423,7 +423,7 @@ def _states_kernel(chain: GaussianChain, Y: torch.Tensor, name: str) -> Callable
     :func:`sample_residual`'s or :func:`reflect`'s values in this process."""
     if chain.clipped_mean is not None or not Y.is_cpu or cpu_kernels.loaded() is None or not cpu_kernels.ENABLED:
         return None
-    return cpu_kernels.checked(name, 0, functools.partial(_states_kernel_matches, reflected=name == "reflected_states"))
+    return cpu_kernels.checked(name, 0, _STATES_CHECKS[name])
 
 
 def _states_kernel_matches(kernel: Callable, _size: int, reflected: bool) -> bool:
@@ -454,6 +454,11 @@ def _states_kernel_matches(kernel: Callable, _size: int, reflected: bool) -> boo
         if got is None or got.shape != want.shape or not cpu_kernels.same_values(got, want):
             return False
     return True
+
+
+# Each kernel's check, made once (a round asks for its kernel every time).
+_STATES_CHECKS = {name: functools.partial(_states_kernel_matches, reflected=name == "reflected_states")
+                  for name in ("residual_states", "reflected_states")}
 
 
 def _bcast(mask: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
