@@ -2,7 +2,7 @@
 eagle_loop.TargetStream): a tree round's decision (sd, cool_sd, uniform_rsd, LANTERN++ with G*), a tree level's
 children draws and the accepted path's cache moves with the torch operations' values where they serve a call,
 torch's operations everywhere else, kernels that normalise, weigh or draw otherwise refused by the checks, and the
-tree arms' samples the same with and without them."""
+tree arms' samples the same with and without them and the round's bookkeeping kernels (test_tree_bookkeeping.py)."""
 
 from __future__ import annotations
 
@@ -250,25 +250,33 @@ def test_moving_slots_gives_torchs_cache_and_refuses_what_it_does_not_serve(exte
     ("cool_sd", {"tree": "small", "delta": 2.0}), ("uniform_rsd", {"tree": "small", "delta": 1.5}),
 ])
 def test_the_tree_arms_give_the_same_samples_with_and_without_the_kernels(extension, monkeypatch, method, params):
-    """The trained head's tree arms with the tree kernels (decisions, draws and the path's K/V moves) against
-    torch's operations: 12 samples at batch 12 (rows finish in different rounds, so the tail rounds run on fewer
-    rows), CFG 1.5, seed 3; the kernels must serve. The other kernels stay on in both runs (they are compared on
-    their own)."""
+    """The trained head's tree arms with the tree kernels (decisions, draws, and the round's masks, uniforms and
+    commit) against torch's operations: 12 samples at batch 12 (rows finish in different rounds, so the tail rounds
+    run on fewer rows), CFG 1.5, seed 3; the kernels must serve every round. The other kernels stay on in both runs
+    (they are compared on their own); without the round kernels the path's K/V moves by torch's copy."""
     pair = load_pair("digits-gpt-target", "digits-gpt-eagle", "cpu")
     ids = torch.arange(12) + 40
-    decided, drawn, moved = [], [], []
-    name = cpu_tree_rounds.TREE_ROUND_KERNELS[method]
-    real_round, real_draw, real_move = getattr(extension, name), extension.draw_children, extension.move_slots
-    monkeypatch.setattr(extension, name, lambda *args: decided.append(real_round(*args)) or decided[-1])
-    monkeypatch.setattr(extension, "draw_children", lambda *args: drawn.append(real_draw(*args)) or drawn[-1])
-    monkeypatch.setattr(extension, "move_slots", lambda *args: moved.append(real_move(*args)) or moved[-1])
+    names = (cpu_tree_rounds.TREE_ROUND_KERNELS[method], "draw_children", "tree_masks", "tree_uniforms", "tree_commit",
+             "move_slots")
+    served = {name: [] for name in names}
+
+    def watched(name, real):
+        return lambda *args: served[name].append(real(*args)) or served[name][-1]
+
+    for name in names:
+        monkeypatch.setattr(extension, name, watched(name, getattr(extension, name)))
     with_kernels = generate_tokens(method, {"cfg_scale": 1.5, **params}, pair, ids % 10, ids, 3)
-    assert decided and drawn and moved  # every round served by each kernel
-    assert all(out[0] is not None for out in decided) and all(drawn) and all(moved)
+    rounds = len(served["tree_commit"])
+    assert rounds > 0 and not served["move_slots"]  # the commit moves the path's K/V itself
+    for name in names[:5]:
+        assert served[name] and all(out is not None and out is not False and
+                                    (not isinstance(out, tuple) or out[0] is not None) for out in served[name]), name
+    assert len(served["tree_masks"]) == len(served["tree_uniforms"]) == rounds
     monkeypatch.setattr(cpu_rounds, "ENABLED", False)
-    monkeypatch.setattr(extension, "move_slots", lambda *args: moved.append(False))  # not served: torch's copy
-    decided.clear(), drawn.clear(), moved.clear()
+    monkeypatch.setattr(extension, "move_slots", lambda *args: served["move_slots"].append(False))  # torch's copy
+    for calls in served.values():
+        calls.clear()
     without = generate_tokens(method, {"cfg_scale": 1.5, **params}, pair, ids % 10, ids, 3)
-    assert not decided and not drawn and moved and not any(moved)
+    assert not any(served[name] for name in names[:5]) and served["move_slots"] and not any(served["move_slots"])
     assert torch.equal(with_kernels[0], without[0])
     assert [vars(s) for s in with_kernels[1]] == [vars(s) for s in without[1]]

@@ -180,17 +180,28 @@ def _slot_ranges(span: int, first: int, device: torch.device) -> tuple[torch.Ten
     return slots, slots >= first
 
 
-def _catch_up(head: HeadStream, target: TargetStream, idx: torch.Tensor, n_rows: torch.Tensor, tokens: torch.Tensor,
-              window: int, span: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """1. CATCH UP to position ``n``: the first draft's law ``[r, V]`` and the head's prediction there ``[rows, D]``.
-    ``n_rows``: ``n`` of every cache row (``head.both(n)``); ``span``: the round's attention span (past ``n``)."""
+def _catch_up_window(n_rows: torch.Tensor, window: int, span: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The catch-up's positions ``[rows, window]`` up to ``n`` of every cache row (``n_rows``, ``head.both(n)``),
+    clamped at 1, and their mask ``[rows, window, span]`` (``span``: the round's attention span, past ``n``)."""
     # n - window + 1 + arange(window): integer sums, so one add of a cached offset row gives the same positions
     positions = (n_rows[:, None] + _window_offsets(window, n_rows.device)).clamp(min=1)
+    return positions, _causal(positions, span, first=1)
+
+
+def _catch_up(head: HeadStream, target: TargetStream, idx: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
+              visible: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """1. CATCH UP at ``positions`` with mask ``visible`` (:func:`_catch_up_window`): the first draft's law ``[r, V]``
+    and the head's prediction at the last position ``[rows, D]``."""
     before = positions - 1  # image token s - 1 is fed at position s
     features = target.read_features(idx, before)
     q, predicted = head.probs(idx, features, tokens.gather(1, before[: tokens.shape[0]]), positions, positions,
-                              _causal(positions, span, first=1), paired=True)
+                              visible, paired=True)
     return q[:, -1], predicted[:, -1]
+
+
+def _kernels(device: torch.device):
+    """specray's CPU kernels where the round's tensors are on the CPU and the round kernels are on, else None."""
+    return cpu_kernels.extension() if cpu_rounds.ENABLED and device.type == "cpu" else None
 
 
 # ---- chain ------------------------------------------------------------------------------------------
@@ -226,7 +237,7 @@ def _chain(method: Method, params: Speculative, pair: ModelPair, labels: torch.T
         positions = n_rows[:, None] + steps
         visible = _causal(positions, span)
         head_visible = visible & _slot_ranges(span, 1, device)[1]
-        q, predicted = _catch_up(head, target, rnd.idx, n_rows, rnd.tokens, gamma + 1, span)
+        q, predicted = _catch_up(head, target, rnd.idx, rnd.tokens, *_catch_up_window(n_rows, gamma + 1, span))
         # Per-step columns split off once, the laws and drafts stacked once (fewer ops than indexing).
         step_positions = positions[:, 1:gamma, None].unbind(1)  # [rows, 1] columns, one op (split costs more)
         step_visible = head_visible[:, 1:gamma, None].unbind(1)  # [rows, 1, span]
@@ -323,10 +334,32 @@ class _TreePlan:
                                     position=self.positions[None, :, None], step=steps, shape=(self.width,))
             self.chunks.append(u.transpose(-2, -1))  # streams last: one index below takes all three
         slab = self.chunks[step // self.chunk].select(2, step % self.chunk)  # [B, positions, width, 3]
+        kernels = _kernels(slab.device)
+        fast = None if kernels is None else kernels.tree_uniforms(slab, idx, n, self.offset, self.rank)
+        if fast is not None and fast[0] is not None:  # one call: the same values, contiguous
+            return fast
         if idx.shape[0] != slab.shape[0]:
             slab = slab[idx]
         per_node = slab[_rows_column(idx.shape[0], idx.device), n[:, None] + self.offset[None], self.rank]
         return per_node[:, :, 0], per_node[:, :-1, 1], per_node[:, 0, 2]
+
+    def masks(self, n_rows: torch.Tensor, top: int, max_len: int, window: int) -> tuple[torch.Tensor, ...]:
+        """For every cache row (committed lengths ``n_rows``, the largest ``top``) over the round's attention span
+        (a cache of ``max_len`` slots): the nodes' slots ``n + v`` and positions ``n + depth(v)``, :meth:`visible`,
+        the same without slot 0 (the head has none), and the catch-up's positions and mask over ``window`` positions
+        (:func:`_catch_up_window`). One kernel call on a CPU (the same values)."""
+        kernels = _kernels(n_rows.device)
+        if kernels is not None:
+            span = attention_span(n_rows, max_len, checked=top + self.tree.num_nodes)  # the last slot, n + N
+            fast = kernels.tree_masks(n_rows, self.index.depths, self.index.visible, span, window)
+            if fast[0] is not None:
+                return fast
+        slots = n_rows[:, None] + self.index.node_ids  # node v in slot n + v
+        span = attention_span(slots, max_len)  # every call of the round: the whole tree's slots (refuses any past it)
+        visible = self.visible(n_rows, span)
+        head_visible = visible & _slot_ranges(span, 1, n_rows.device)[1]
+        positions = n_rows[:, None] + self.index.depths
+        return slots, positions, visible, head_visible, *_catch_up_window(n_rows, window, span)
 
     def visible(self, n: torch.Tensor, span: int) -> torch.Tensor:
         """``visible [r, N+1, span]``: node v sees the committed slots ``0 .. n - 1`` and its own root path,
@@ -455,13 +488,10 @@ def _tree(params: Speculative, pair: ModelPair, labels: torch.Tensor, sample_ids
         node_tokens = torch.zeros(r, nodes + 1, dtype=torch.int64, device=device)
         node_valid = torch.zeros(r, nodes + 1, dtype=torch.bool, device=device)
         node_valid[:, 0] = True
-        n_rows = head.both(n)
-        slots = n_rows[:, None] + index.node_ids  # node v in slot n + v
-        node_positions = n_rows[:, None] + index.depths  # at sequence position n + depth(v)
-        span = attention_span(slots, target.cache.max_len)  # every call of the round: the whole tree's slots
-        visible = plan.visible(n_rows, span)
-        head_visible = visible & _slot_ranges(span, 1, device)[1]  # the head has no position 0
-        q, predicted = _catch_up(head, target, idx, n_rows, row_tokens, depth + 1, span)
+        top = max(counts[b] for b in active)
+        slots, node_positions, visible, head_visible, *catch_up = plan.masks(head.both(n), top, target.cache.max_len,
+                                                                             depth + 1)
+        q, predicted = _catch_up(head, target, idx, row_tokens, *catch_up)
         qs, predicted = [q[:, None]], predicted[:, None]  # per depth: the laws [r, L, V], the predictions [rows, L, D]
         plan.draw_children(0, qs[0], u_draft, node_tokens, node_valid)
         for t in range(1, depth):
@@ -477,28 +507,57 @@ def _tree(params: Speculative, pair: ModelPair, labels: torch.Tensor, sample_ids
         # 3-4. VERIFY the whole tree in one target call, DECIDE depth by depth.
         fed = torch.cat([row_tokens.gather(1, (n - 1)[:, None]), node_tokens[:, 1:]], dim=1)
         P, hidden = target.probs(idx, fed, node_positions, slots, visible, paired=True)
-        if max(counts[b] for b in active) + depth < num_tokens:  # every node has room in the image
+        if top + depth < num_tokens:  # every node has room in the image
             verifiable = node_valid
         else:  # a node past the image's last token is not verified
             verifiable = node_valid & (index.depths[None] <= (num_tokens - 1 - n)[:, None])
         out = verify(P, Q, node_tokens, verifiable, u_accept, u_residual)
 
         # 5. COMMIT: accepted node at depth t + 1 -> image token n + t, sequence position n + t + 1.
-        n_acc, path = out.n_accepted, out.path
+        n_acc = out.n_accepted
         accepted = depth_steps[None] < n_acc[:, None]
-        dest = n[:, None] + 1 + depth_steps
-        row_tokens.scatter_(1, torch.where(accepted, dest - 1, n[:, None] + depth), node_tokens.gather(1, path))
-        target.keep_features(idx, n_rows[:, None], hidden[:, :1], paired=True)
-        kept = torch.where(accepted, slots[:r].gather(1, path), dest)  # rejected depths move onto themselves
-        path_rows = torch.arange(hidden.shape[0], device=device)[:, None]
-        target.move(idx, kept, dest, hidden[path_rows, head.both(path)])
-        _commit_tokens(idx, full, n, n_acc, out.next_token, row_tokens, tokens, committed)
+        new_n = _commit_tree(target, idx, n, out, node_tokens, hidden, row_tokens, accepted)
+        if full:
+            committed.copy_(new_n)
+        else:
+            tokens[idx] = row_tokens
+            committed[idx] = new_n
         drafted = verifiable[:, 1:]
         tally.observe(None if full else idx, n[:, None] + depth_steps, (drafted[:, :, None] & node_depth[None]).any(1),
                       accepted, drafted_count=drafted.sum(1))
     tally.flush()
     tally.add_calls(None, target=tally.rounds, draft=depth * tally.rounds)  # a round: one verify, depth head calls
     return tokens[:, :num_tokens], tally
+
+
+def _commit_tree(target: TargetStream, idx: torch.Tensor, n: torch.Tensor, out, node_tokens: torch.Tensor,
+                 hidden: torch.Tensor, row_tokens: torch.Tensor, accepted: torch.Tensor) -> torch.Tensor:
+    """The accepted path's tokens and the correction / bonus into ``row_tokens``, its K/V and hidden states to their
+    sequence positions (:func:`_commit_tree_torch`; one kernel call on a CPU); the rows' new committed lengths."""
+    kernels = _kernels(hidden.device)
+    if kernels is not None:
+        new_n = kernels.tree_commit(target.keys.transpose(-3, -2), target.values.transpose(-3, -2), target.features,
+                                    row_tokens, target.cache_rows(idx), n, out.n_accepted, out.path, out.next_token,
+                                    node_tokens, hidden)
+        if new_n is not None:
+            return new_n
+    return _commit_tree_torch(target, idx, n, out, node_tokens, hidden, row_tokens, accepted)
+
+
+def _commit_tree_torch(target: TargetStream, idx: torch.Tensor, n: torch.Tensor, out, node_tokens: torch.Tensor,
+                       hidden: torch.Tensor, row_tokens: torch.Tensor, accepted: torch.Tensor) -> torch.Tensor:
+    """:func:`_commit_tree` by torch's operations: accepted node at depth t + 1 -> image token n + t, sequence
+    position n + t + 1 (a rejected depth's token goes to the scratch token n + depth, its hidden state to n + t + 1)."""
+    depth = accepted.shape[1]
+    dest = n[:, None] + 1 + torch.arange(depth, device=n.device)
+    row_tokens.scatter_(1, torch.where(accepted, dest - 1, n[:, None] + depth), node_tokens.gather(1, out.path))
+    target.keep_features(idx, target.both(n)[:, None], hidden[:, :1], paired=True)
+    kept = torch.where(accepted, n[:, None] + out.path, dest)  # node v in slot n + v; rejected depths stay put
+    path_rows = torch.arange(hidden.shape[0], device=n.device)[:, None]
+    target.move(idx, kept, dest, hidden[path_rows, target.both(out.path)])
+    last = n + out.n_accepted
+    row_tokens.scatter_(1, last[:, None], out.next_token[:, None])
+    return last + 1
 
 
 def tree_rule_params(params: Speculative, pair: ModelPair) -> RuleParams:

@@ -25,6 +25,36 @@ bool write_blocks(at::Tensor& storage, const at::Tensor& x, const at::Tensor& ro
 // to its sequence positions; false, with nothing moved, where the call is not one it serves.
 bool move_slots(at::Tensor& storage, const at::Tensor& rows, const at::Tensor& source, const at::Tensor& dest);
 
+// A static tree round's slots, positions and masks (tree_bookkeeping.cpp), with the values of
+// specray/methods/discrete/eagle_loop.py's torch operations, for cache rows with committed lengths n_rows [rows] on
+// the tree of depths [N + 1] and ancestor mask tree_visible [N + 1, N + 1] (node v sees node j): slots n + v and
+// positions n + depth(v) [rows, N + 1]; visible [rows, N + 1, span] (the committed slots and the node's root path)
+// and head_visible (the same without slot 0); the catch-up's positions max(n - window + 1 + w, 1) [rows, window] and
+// its mask (slots 1 .. position) [rows, window, span]. Undefined tensors where the call is not one it serves.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> tree_masks(
+    const at::Tensor& n_rows, const at::Tensor& depths, const at::Tensor& tree_visible, int64_t span, int64_t window);
+
+// A static tree round's uniforms per node (tree_bookkeeping.cpp): slab [B, positions, width, 3] float64 (the streams
+// draft, accept, residual last), samples idx [r] with committed lengths n [r], each column's position offset and
+// rank [N + 2] int64: draft [r, N + 2] = slab[idx, n + offset, rank, 0], accept [r, N + 1] (the same but the last
+// column, stream 1) and residual [r] (column 0, stream 2). Undefined tensors where the call is not one it serves.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> tree_uniforms(const at::Tensor& slab, const at::Tensor& idx,
+                                                             const at::Tensor& n, const at::Tensor& offset,
+                                                             const at::Tensor& rank);
+
+// A static tree round's commit (tree_bookkeeping.cpp), with the writes of specray/methods/discrete/eagle_loop.py's
+// _commit_tree_torch: for samples b < r with committed length n [b], accepted count n_accepted [b] (<= depth), the
+// path's node ids path [r, depth], the correction / bonus next_token [r] and the drafted node_tokens [r, >= N + 1],
+// and cache rows cache_rows [rows] (rows = r, or 2r with the uncond rows after): row_tokens [r, T] take the path's
+// tokens and next_token, keys and values [L, R, H, S, d] (head-major, contiguous float32) the accepted nodes' K/V
+// moved from slot n + path[t] to n + 1 + t, features [R, S', D] (contiguous float32) hidden [rows, N + 1, D]'s root
+// at slot n and depth t's node at n + 1 + t. Returns n + n_accepted + 1 [r]; an undefined tensor, with nothing
+// written, where the call is not one it serves.
+at::Tensor tree_commit(at::Tensor& keys, at::Tensor& values, at::Tensor& features, at::Tensor& row_tokens,
+                       const at::Tensor& cache_rows, const at::Tensor& n, const at::Tensor& n_accepted,
+                       const at::Tensor& path, const at::Tensor& next_token, const at::Tensor& node_tokens,
+                       const at::Tensor& hidden);
+
 // RMSNorm of float32 rows, (x * rsqrt(sum(x * x) / D + eps)) * weight, with the values of torch's operations
 // (rms_norm.cpp); an undefined tensor where the call is not one it serves.
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);

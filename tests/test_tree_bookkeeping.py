@@ -1,0 +1,149 @@
+"""The CPU kernels of a static tree round's bookkeeping (csrc/tree_bookkeeping.cpp, called by
+specray/methods/discrete/eagle_loop.py): the round's slots, positions and masks, its uniforms per node and its commit
+give the values and writes of torch's operations, and refuse, writing nothing, what they do not serve."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specray.methods.discrete import cpu_rounds, eagle_loop, tree_rules
+from specray.methods.discrete.params import SD
+from specray.methods.discrete.trees import NAMED_TREES, StaticTree
+from specray.models import cpu_kernels
+from specray.models.discrete_ar import load_pair
+
+CPU = torch.device("cpu")
+TREES = {**NAMED_TREES, "custom": StaticTree.from_paths([[0], [1], [2], [0, 0], [0, 1], [2, 0], [0, 0, 0]]),
+         "chain": StaticTree.chain(4)}
+
+
+@pytest.fixture(scope="module")
+def extension():
+    module = cpu_kernels.extension()
+    if module is None:
+        pytest.skip("specray's CPU kernels did not build here (see the log)")
+    return module
+
+
+def _torch_only(monkeypatch):
+    monkeypatch.setattr(cpu_rounds, "ENABLED", False)
+
+
+def _plan(tree: StaticTree, batch: int, num_positions: int = 80) -> eagle_loop._TreePlan:
+    return eagle_loop._TreePlan(tree, CPU, seed=4, sample_ids=torch.arange(batch) + 9, num_positions=num_positions)
+
+
+@pytest.mark.parametrize("name", list(TREES))
+@pytest.mark.parametrize("rows", [1, 2, 14])
+def test_the_round_masks_are_torchs(extension, monkeypatch, name, rows):
+    """Slots, positions, the verify's and the head's masks and the catch-up's positions and mask for cache rows at
+    random committed lengths 1-60 (the catch-up's clamp at 1 included), against torch's operations: equal values,
+    dtypes and shapes; seed 1."""
+    plan = _plan(TREES[name], 4)
+    generator = torch.Generator().manual_seed(1)
+    for _ in range(5):
+        n_rows = torch.randint(1, 61, (rows,), generator=generator)
+        n_rows[0] = 1
+        top, max_len = int(n_rows.max()), 64 + plan.tree.num_nodes + 1
+        got = plan.masks(n_rows, top, max_len, plan.tree.depth + 1)
+        with monkeypatch.context() as patch:
+            _torch_only(patch)
+            want = plan.masks(n_rows, top, max_len, plan.tree.depth + 1)
+        assert len(got) == len(want) == 6
+        for g, w in zip(got, want):
+            assert g.dtype == w.dtype and torch.equal(g, w)
+
+
+def test_the_round_masks_refuse_what_they_do_not_serve(extension):
+    """A node's slot past the span, or a mask of another dtype: undefined tensors (torch's operations run)."""
+    index = tree_rules.tree_index(NAMED_TREES["small"], CPU)
+    n_rows = torch.tensor([3, 9])
+    span = 9 + index.depths.shape[0]  # the last node of the second row fits exactly
+    assert extension.tree_masks(n_rows, index.depths, index.visible, span, 4)[0] is not None
+    assert extension.tree_masks(n_rows, index.depths, index.visible, span - 1, 4)[0] is None
+    assert extension.tree_masks(n_rows, index.depths, index.visible.long(), span, 4)[0] is None
+
+
+@pytest.mark.parametrize("name", list(TREES))
+def test_the_round_uniforms_are_torchs(extension, monkeypatch, name):
+    """Each node's draft and accept uniforms and the residual's, for the whole batch and for some of its rows, at
+    several rounds (two chunks of them) and committed lengths: the values of torch's indexing; seed 2."""
+    batch = 5
+    plan = _plan(TREES[name], batch, num_positions=64 + TREES[name].depth + 1)
+    generator = torch.Generator().manual_seed(2)
+    for step in (0, 3, plan.chunk + 1):
+        for idx in (torch.arange(batch), torch.tensor([1, 4]), torch.tensor([3])):
+            n = torch.randint(1, 64, idx.shape, generator=generator)
+            got = plan.uniforms(step, idx, n)
+            with monkeypatch.context() as patch:
+                _torch_only(patch)
+                want = plan.uniforms(step, idx, n)
+            for g, w in zip(got, want):
+                assert g.dtype == w.dtype and torch.equal(g, w)
+    slab = plan.chunks[0].select(2, 0)
+    past = torch.tensor([slab.shape[1]])  # a committed length past the positions: refused
+    assert extension.tree_uniforms(slab, torch.tensor([0]), past, plan.offset, plan.rank)[0] is None
+
+
+def _commit_case(tree: StaticTree, guided: bool, generator: torch.Generator):
+    """A target stream of the digits GPT for 6 samples with random K/V and hidden states, and a round's verdict on
+    rows 0, 2, 3 and 5: committed lengths 1-50, every accepted count 0 .. depth among them, paths of random nodes."""
+    pair = load_pair("digits-gpt-target", "digits-gpt-draft", "cpu")
+    sampling = SD(cfg_scale=1.5 if guided else 1.0)
+    nodes = tree.num_nodes + 1
+    target = eagle_loop.TargetStream(pair.target, 6, sampling, pair.target.max_seq_len + nodes)
+    for tensor in (target.keys, target.values, target.features):
+        tensor.copy_(torch.randn(tensor.shape, generator=generator))
+    idx = torch.tensor([0, 2, 3, 5])
+    r, depth = idx.shape[0], tree.depth
+    n = torch.randint(1, 51, (r,), generator=generator)
+    n_accepted = torch.arange(r) % (depth + 1)
+    path = torch.randint(0, nodes, (r, depth), generator=generator)
+    out = tree_rules.TreeVerifyOutput(n_accepted, path, torch.randint(0, 17, (r,), generator=generator))
+    node_tokens = torch.randint(0, 17, (r, nodes + 1), generator=generator)[:, :nodes]  # a view, as the loop's
+    hidden = torch.randn(target.cache_rows(idx).shape[0], nodes, target.features.shape[-1], generator=generator)
+    row_tokens = torch.randint(0, 17, (r, 64 + depth + 1), generator=generator)
+    return target, idx, n, out, node_tokens, hidden, row_tokens
+
+
+def _state(target, row_tokens):
+    return [t.clone() for t in (target.keys, target.values, target.features, row_tokens)]
+
+
+@pytest.mark.parametrize("name", list(TREES))
+@pytest.mark.parametrize("guided", [True, False])
+def test_the_round_commit_writes_what_torch_writes(extension, monkeypatch, name, guided):
+    """The commit of 4 of 6 rows (CFG on: the uncond cache rows too): the row tokens, every layer's K and V, the hidden
+    states and the new committed lengths equal torch's operations' after the same call; seed 3."""
+    tree = TREES[name]
+    target, idx, n, out, node_tokens, hidden, row_tokens = _commit_case(tree, guided, torch.Generator().manual_seed(3))
+    before = _state(target, row_tokens)
+    accepted = torch.arange(tree.depth)[None] < out.n_accepted[:, None]
+    new_n = eagle_loop._commit_tree(target, idx, n, out, node_tokens, hidden, row_tokens, accepted)
+    got = _state(target, row_tokens)
+    for tensor, saved in zip((target.keys, target.values, target.features, row_tokens), before):
+        tensor.copy_(saved)
+    with monkeypatch.context() as patch:
+        _torch_only(patch)
+        want_n = eagle_loop._commit_tree(target, idx, n, out, node_tokens, hidden, row_tokens, accepted)
+    assert torch.equal(new_n, want_n) and torch.equal(new_n, n + out.n_accepted + 1)
+    assert all(torch.equal(g, w) for g, w in zip(got, _state(target, row_tokens)))
+    assert not torch.equal(got[0], before[0])  # it moved something
+
+
+def test_the_round_commit_refuses_what_it_does_not_serve(extension):
+    """A path node past the tree, or a committed length whose path would leave the cache: nothing written; seed 4."""
+    tree = NAMED_TREES["small"]
+    target, idx, n, out, node_tokens, hidden, row_tokens = _commit_case(tree, True, torch.Generator().manual_seed(4))
+    before = _state(target, row_tokens)
+    rows = target.cache_rows(idx)
+    storage = (target.keys.transpose(-3, -2), target.values.transpose(-3, -2))
+    bad_path = out.path.clone()
+    bad_path[1, 0] = tree.num_nodes + 1
+    past = n.clone()
+    past[2] = target.cache.max_len
+    for path, lengths in ((bad_path, n), (out.path, past)):
+        assert extension.tree_commit(*storage, target.features, row_tokens, rows, lengths, out.n_accepted, path,
+                                     out.next_token, node_tokens, hidden) is None
+    assert all(torch.equal(g, w) for g, w in zip(_state(target, row_tokens), before))
