@@ -2,7 +2,7 @@
 eagle_loop.TargetStream): a tree round's decision (sd, cool_sd, uniform_rsd, LANTERN++ with G*), a tree level's
 children draws and the accepted path's cache moves with the torch operations' values where they serve a call,
 torch's operations everywhere else, kernels that normalise, weigh or draw otherwise refused by the checks, and the
-tree arms' samples the same with and without them and the round's bookkeeping kernels (test_tree_bookkeeping.py)."""
+tree arms' samples the same with and without them and the round's bookkeeping kernels (test_round_bookkeeping.py)."""
 
 from __future__ import annotations
 

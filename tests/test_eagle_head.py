@@ -148,7 +148,7 @@ def test_tree_forward_gives_each_node_its_path_law():
     stream = GuidedModel(target, 1, sampling, 40)
     fed = torch.cat([label[:, None], prefix[:, :-1]], 1)
     stream.probs(torch.arange(1), fed, torch.arange(n)[None], prefix=True)
-    from specray.methods.discrete.eagle_loop import TargetStream, _TreePlan
+    from specray.methods.discrete.eagle_loop import TargetStream, _tree_visible
 
     tree_stream = TargetStream(target, 1, sampling, 40)
     tree_stream.probs(torch.arange(1), fed, torch.arange(n)[None], torch.arange(n)[None],
@@ -156,8 +156,7 @@ def test_tree_forward_gives_each_node_its_path_law():
     ids = torch.arange(tree.num_nodes + 1)
     tokens = torch.cat([prefix[:, -1:], nodes[:, 1:]], 1)
     P, _ = tree_stream.probs(torch.arange(1), tokens, n + index.depths[None], n + ids[None],
-                             _TreePlan(tree, torch.device("cpu"), 0, torch.zeros(1, dtype=torch.int64), 8)
-                             .visible(torch.tensor([n]), 40))
+                             _tree_visible(index, torch.tensor([n]), 40))
     for node in range(tree.num_nodes + 1):
         path = [0] + tree.ancestors(node)[::-1]
         path_tokens = tokens[:, path]

@@ -2,7 +2,8 @@
 attention of :mod:`~specray.models.decode_attention`, the K/V writes of
 :class:`~specray.models.discrete_ar.BlockWrite`, the RMSNorm of :mod:`~specray.models.cpu_norm`, the speculative
 rounds' decisions and draws of :mod:`~specray.methods.discrete.cpu_rounds`, the static-tree rounds' decisions,
-children draws (:mod:`~specray.methods.discrete.cpu_tree_rounds`) and K/V moves, the diffusion rounds' drafted
+children draws (:mod:`~specray.methods.discrete.cpu_tree_rounds`) and K/V moves, the discrete rounds' bookkeeping
+(positions, masks, uniforms and commits: ``cpu_rounds.bookkeeping``), the diffusion rounds' drafted
 states (:mod:`~specray.methods.diffusion.cpu_draft`), verdicts (:mod:`~specray.methods.diffusion.rules`) and
 residual draws (:mod:`~specray.methods.diffusion.residual`, these two where a process has loaded it already), and
 the hash of :mod:`specray.rng` likewise, one extension.
@@ -31,8 +32,9 @@ log = logging.getLogger(__name__)
 NAME = "specray_cpu_kernels"
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = tuple(CSRC / name for name in ("bindings.cpp", "decode_attention.cpp", "cache_write.cpp", "rms_norm.cpp",
-                                         "rounds.cpp", "tree_rounds.cpp", "tree_bookkeeping.cpp", "gaussian_draft.cpp",
-                                         "splitmix.cpp", "residual_draw.cpp", "verdicts.cpp"))
+                                         "rounds.cpp", "tree_rounds.cpp", "chain_bookkeeping.cpp",
+                                         "tree_bookkeeping.cpp", "gaussian_draft.cpp", "splitmix.cpp",
+                                         "residual_draw.cpp", "verdicts.cpp"))
 # -ffp-contract=off: only the fused multiply-adds the attention kernel writes out may fuse (its sums must
 # follow the BLAS's order); the AVX2 defines select ATen's 8-lane vector code, whose exp it reproduces.
 CFLAGS = ["-O2", "-mavx2", "-mfma", "-ffp-contract=off", "-DCPU_CAPABILITY_AVX2", "-DCPU_CAPABILITY=AVX2"]

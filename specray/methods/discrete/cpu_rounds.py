@@ -14,13 +14,15 @@ value on it (:func:`_draws_match`, :func:`_rounds_match`), in this process at th
 the extension is off or not built (:mod:`~specray.models.cpu_kernels`), torch's operations run. The kernels also
 leave to torch every law with a NaN, infinite or negative entry or a row without mass (torch gives tokens for
 those in its own ways), and uniforms of other shapes than torch's own for the call. The choice never changes a
-value. ``ENABLED`` switches the kernels for an A/B comparison.
+value. ``ENABLED`` switches the kernels for an A/B comparison, and the rounds' bookkeeping kernels too
+(:func:`bookkeeping`).
 """
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from types import ModuleType
 
 import torch
 
@@ -129,6 +131,13 @@ def kernel(name: str, width: int, checks: dict[str, Callable] | None = None) -> 
     ``checks``) if it gives torch's values at ``width`` at this thread count, else None (checked once per kernel,
     thread count and width, :func:`~specray.models.cpu_kernels.checked`)."""
     return cpu_kernels.checked(name, width, (checks or _CHECKS)[name]) if ENABLED else None
+
+
+def bookkeeping(device: torch.device) -> ModuleType | None:
+    """specray's kernels for a round's bookkeeping where the round's tensors are on ``device``, a CPU, and the round
+    kernels are on, else None. Those kernels index, add, compare and copy integers and copy values, so they give
+    torch's values by construction and are not checked; each refuses, writing nothing, a call it does not serve."""
+    return cpu_kernels.extension() if ENABLED and device.type == "cpu" else None
 
 
 def _fast(name: str, probs: torch.Tensor, checks: dict[str, Callable] | None = None) -> Callable | None:

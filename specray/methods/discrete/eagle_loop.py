@@ -30,9 +30,10 @@ draws its token and acceptance uniform from streams "draft" / "accept" at positi
 nodes of depth ``t``; the correction / bonus from "residual" at position ``n_b``. A one-path tree
 therefore has exactly the chain's keys, and gives the chain's tokens.
 
-On a CPU a tree round's decision, each depth's children draws and the accepted path's K/V moves are one C++
-call each (:mod:`~specray.methods.discrete.cpu_tree_rounds`, ``TargetStream.move``), with torch's values; at
-batch 1 they were most of the round's work outside the model calls.
+On a CPU a tree round's decision, each depth's children draws, its slots, positions and masks, its uniforms and its
+commit (the tokens, the accepted path's K/V and hidden states) are one C++ call each
+(:mod:`~specray.methods.discrete.cpu_tree_rounds`, ``cpu_rounds.bookkeeping``), with torch's values; at batch 1
+they were most of the round's work outside the model calls. A chain's masks are a one-path tree's.
 """
 
 from __future__ import annotations
@@ -180,6 +181,34 @@ def _slot_ranges(span: int, first: int, device: torch.device) -> tuple[torch.Ten
     return slots, slots >= first
 
 
+def _round_masks(index, n_rows: torch.Tensor, span: int, window: int) -> tuple[torch.Tensor, ...]:
+    """For cache rows at committed lengths ``n_rows`` on a tree (its
+    :class:`~specray.methods.discrete.tree_rules.TreeIndex`; a chain is a one-path tree), over ``span`` slots: the
+    nodes' slots ``n + v`` and positions ``n + depth(v)``, the verify's mask (:func:`_tree_visible`) and the head's
+    (the same without slot 0: the head has none), and the catch-up's positions and mask over ``window`` positions
+    (:func:`_catch_up_window`). One kernel call on a CPU (the same values)."""
+    kernels = cpu_rounds.bookkeeping(n_rows.device)
+    fast = None if kernels is None else kernels.tree_masks(n_rows, index.depths, index.visible, span, window)
+    if fast is not None and fast[0] is not None:
+        return fast
+    visible = _tree_visible(index, n_rows, span)
+    head_visible = visible & _slot_ranges(span, 1, n_rows.device)[1]
+    return (n_rows[:, None] + index.node_ids, n_rows[:, None] + index.depths, visible, head_visible,
+            *_catch_up_window(n_rows, window, span))
+
+
+def _tree_visible(index, n: torch.Tensor, span: int) -> torch.Tensor:
+    """``visible [r, N+1, span]``: node v sees the committed slots ``0 .. n - 1`` and its own root path, slots
+    ``n + a`` (``span`` must cover every tree slot, ``n + N``). Built once a round: the verify call reads it whole,
+    each head call the rows of its level (without slot 0: the head has no position 0)."""
+    r, nodes = n.shape[0], index.node_ids.shape[0]
+    slots, _ = _slot_ranges(span, 0, n.device)
+    n_col = n[:, None]
+    committed = (slots < n_col)[:, None, :].expand(r, nodes, span)
+    tree_slots = (n_col + index.node_ids)[:, None, :].expand(-1, nodes, -1)  # node v in slot n + v
+    return committed.clone().scatter_(2, tree_slots, index.visible[None].expand(r, -1, -1))
+
+
 def _catch_up_window(n_rows: torch.Tensor, window: int, span: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The catch-up's positions ``[rows, window]`` up to ``n`` of every cache row (``n_rows``, ``head.both(n)``),
     clamped at 1, and their mask ``[rows, window, span]`` (``span``: the round's attention span, past ``n``)."""
@@ -197,11 +226,6 @@ def _catch_up(head: HeadStream, target: TargetStream, idx: torch.Tensor, tokens:
     q, predicted = head.probs(idx, features, tokens.gather(1, before[: tokens.shape[0]]), positions, positions,
                               visible, paired=True)
     return q[:, -1], predicted[:, -1]
-
-
-def _kernels(device: torch.device):
-    """specray's CPU kernels where the round's tensors are on the CPU and the round kernels are on, else None."""
-    return cpu_kernels.extension() if cpu_rounds.ENABLED and device.type == "cpu" else None
 
 
 # ---- chain ------------------------------------------------------------------------------------------
@@ -224,37 +248,35 @@ def _chain(method: Method, params: Speculative, pair: ModelPair, labels: torch.T
     uniforms = RoundUniforms(seed, sample_ids, num_tokens + gamma + 1)
     all_rows = torch.arange(batch, device=device)
     steps = torch.arange(gamma + 1, device=device)
+    path = tree_index(StaticTree.chain(gamma), device)  # node i at depth i: slot and position n + i
     for it in range(num_tokens):
-        rnd = _next_round(committed, num_tokens, gamma, labels, tokens, all_rows, steps)
-        if rnd is None:
+        planned = _next_round(committed, num_tokens, gamma, labels, tokens, all_rows, steps, uniforms, it)
+        if planned is None:
             break
-        u = uniforms.round(it, rnd.idx, rnd.positions[:, :gamma])
+        rnd, (u_draft, u_accept, u_residual) = planned
         # Every call of the round sees no slot past the verify's last position: one span for all of them.
         span = attention_span(rnd.positions, target.cache.max_len)  # the cache's slots: max_len rounded up on a CPU
-        # The round's positions and masks for every cache row (cond rows, then uncond), built once: the verify
-        # reads them whole, each head step its column (the head has no position 0).
-        n_rows = head.both(rnd.n)
-        positions = n_rows[:, None] + steps
-        visible = _causal(positions, span)
-        head_visible = visible & _slot_ranges(span, 1, device)[1]
-        q, predicted = _catch_up(head, target, rnd.idx, rnd.tokens, *_catch_up_window(n_rows, gamma + 1, span))
+        # The round's positions and masks for every cache row (cond rows, then uncond), built once, as a one-path
+        # tree's: the verify reads them whole, each head step its column (the head has no position 0).
+        _, positions, visible, head_visible, *catch_up = _round_masks(path, head.both(rnd.n), span, gamma + 1)
+        q, predicted = _catch_up(head, target, rnd.idx, rnd.tokens, *catch_up)
         # Per-step columns split off once, the laws and drafts stacked once (fewer ops than indexing).
         step_positions = positions[:, 1:gamma, None].unbind(1)  # [rows, 1] columns, one op (split costs more)
         step_visible = head_visible[:, 1:gamma, None].unbind(1)  # [rows, 1, span]
         qs, ds = [], []
-        for i, u_draft in enumerate(u[:, :, 0:1].unbind(1)):
+        for i, u_step in enumerate(u_draft[:, :, None].unbind(1)):
             if i:
                 at = step_positions[i - 1]
                 q, out = head.probs(rnd.idx, predicted[:, None], ds[-1], at, at, step_visible[i - 1], paired=True)
                 q, predicted = q[:, 0], out[:, 0]
             qs.append(q)
-            ds.append(cpu_rounds.sample_categorical_keepdim(q, u_draft))  # [r, 1]: the next step's fed column
+            ds.append(cpu_rounds.sample_categorical_keepdim(q, u_step))  # [r, 1]: the next step's fed column
         drafts, Q = torch.cat(ds, dim=1), torch.stack(qs, dim=1)
         rnd.tokens.scatter_(1, rnd.positions[:, :gamma], drafts)
         P, hidden = target.probs(rnd.idx, rnd.tokens.gather(1, rnd.fed_positions), positions, positions, visible,
                                  paired=True)
         target.keep_features(rnd.idx, positions, hidden, paired=True)
-        n_acc, next_token = _decide(verifier, rnd, P, Q, drafts, u[:, :, 1], u[:, 0, 2])
+        n_acc, next_token = _decide(verifier, rnd, P, Q, drafts, u_accept, u_residual)
         _commit_tokens(rnd.idx, rnd.full, rnd.n, n_acc, next_token, rnd.tokens, tokens, committed)
         tally.observe_prefix(None if rnd.full else rnd.idx, rnd.positions[:, :gamma], rnd.n_drafts, n_acc)
         tally.add_calls(None if rnd.full else rnd.idx, target=1, draft=gamma)
@@ -306,7 +328,6 @@ class _TreePlan:
                  num_positions: int) -> None:
         self.tree = tree
         self.index = tree_index(tree, device)
-        self.spare = tree.num_nodes + 1  # the column absent children write to
         self.levels = tree_levels(tree, device)
         ranks, seen = [0], {}
         for depth in tree.depths[1:]:
@@ -334,7 +355,7 @@ class _TreePlan:
                                     position=self.positions[None, :, None], step=steps, shape=(self.width,))
             self.chunks.append(u.transpose(-2, -1))  # streams last: one index below takes all three
         slab = self.chunks[step // self.chunk].select(2, step % self.chunk)  # [B, positions, width, 3]
-        kernels = _kernels(slab.device)
+        kernels = cpu_rounds.bookkeeping(slab.device)
         fast = None if kernels is None else kernels.tree_uniforms(slab, idx, n, self.offset, self.rank)
         if fast is not None and fast[0] is not None:  # one call: the same values, contiguous
             return fast
@@ -344,33 +365,11 @@ class _TreePlan:
         return per_node[:, :, 0], per_node[:, :-1, 1], per_node[:, 0, 2]
 
     def masks(self, n_rows: torch.Tensor, top: int, max_len: int, window: int) -> tuple[torch.Tensor, ...]:
-        """For every cache row (committed lengths ``n_rows``, the largest ``top``) over the round's attention span
-        (a cache of ``max_len`` slots): the nodes' slots ``n + v`` and positions ``n + depth(v)``, :meth:`visible`,
-        the same without slot 0 (the head has none), and the catch-up's positions and mask over ``window`` positions
-        (:func:`_catch_up_window`). One kernel call on a CPU (the same values)."""
-        kernels = _kernels(n_rows.device)
-        if kernels is not None:
-            span = attention_span(n_rows, max_len, checked=top + self.tree.num_nodes)  # the last slot, n + N
-            fast = kernels.tree_masks(n_rows, self.index.depths, self.index.visible, span, window)
-            if fast[0] is not None:
-                return fast
-        slots = n_rows[:, None] + self.index.node_ids  # node v in slot n + v
-        span = attention_span(slots, max_len)  # every call of the round: the whole tree's slots (refuses any past it)
-        visible = self.visible(n_rows, span)
-        head_visible = visible & _slot_ranges(span, 1, n_rows.device)[1]
-        positions = n_rows[:, None] + self.index.depths
-        return slots, positions, visible, head_visible, *_catch_up_window(n_rows, window, span)
-
-    def visible(self, n: torch.Tensor, span: int) -> torch.Tensor:
-        """``visible [r, N+1, span]``: node v sees the committed slots ``0 .. n - 1`` and its own root path,
-        slots ``n + a`` (``span`` must cover every tree slot, ``n + N``). Built once a round: the verify
-        call reads it whole, each head call the rows of its level (without slot 0: the head has no position 0)."""
-        r = n.shape[0]
-        slots, _ = _slot_ranges(span, 0, n.device)
-        n_col = n[:, None]
-        committed = (slots < n_col)[:, None, :].expand(r, self.spare, span)
-        tree_slots = (n_col + self.index.node_ids)[:, None, :].expand(-1, self.spare, -1)  # node v in slot n + v
-        return committed.clone().scatter_(2, tree_slots, self.index.visible[None].expand(r, -1, -1))
+        """:func:`_round_masks` of cache rows at committed lengths ``n_rows`` (the largest ``top``) over the round's
+        attention span in a cache of ``max_len`` slots: every call of the round sees the whole tree's slots."""
+        on_cpu = n_rows.device.type == "cpu"  # the largest slot, n + N, known on the host (elsewhere no span)
+        span = attention_span(n_rows, max_len, checked=top + self.tree.num_nodes if on_cpu else None)
+        return _round_masks(self.index, n_rows, span, window)
 
     def draw_children(self, depth: int, q: torch.Tensor, u: torch.Tensor, node_tokens: torch.Tensor,
                       node_valid: torch.Tensor) -> None:
@@ -534,7 +533,7 @@ def _commit_tree(target: TargetStream, idx: torch.Tensor, n: torch.Tensor, out, 
                  hidden: torch.Tensor, row_tokens: torch.Tensor, accepted: torch.Tensor) -> torch.Tensor:
     """The accepted path's tokens and the correction / bonus into ``row_tokens``, its K/V and hidden states to their
     sequence positions (:func:`_commit_tree_torch`; one kernel call on a CPU); the rows' new committed lengths."""
-    kernels = _kernels(hidden.device)
+    kernels = cpu_rounds.bookkeeping(hidden.device)
     if kernels is not None:
         new_n = kernels.tree_commit(target.keys.transpose(-3, -2), target.values.transpose(-3, -2), target.features,
                                     row_tokens, target.cache_rows(idx), n, out.n_accepted, out.path, out.next_token,

@@ -41,7 +41,8 @@ while every row is active (``full``) the caches are read without a gather copy a
 updated in place; the common round (every row drafts gamma tokens) skips the per-step live-row
 indexing and verifies in one group; counters stay on the device (:class:`~specray.methods.common.RoundTally`) and are moved
 once; the host syncs are two per round (draft lengths, and the active rows only once some are done). On a CPU a round's
-decision and each draw are one C++ call (:mod:`~specray.methods.discrete.cpu_rounds`, the same values).
+decision and each draw are one C++ call (:mod:`~specray.methods.discrete.cpu_rounds`, the same values), and so are a
+round's positions and uniforms and its commit while every row takes part (``cpu_rounds.bookkeeping``).
 """
 
 from __future__ import annotations
@@ -176,14 +177,18 @@ class RoundUniforms:
         self.chunk = max(8, min(64, 256 // max(1, sample_ids.shape[0])))
         self.chunks: list[torch.Tensor] = []  # [B, positions, chunk, 3] float64
 
-    def round(self, step: int, idx: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Uniforms ``[r, k, 3]`` of rows ``idx`` at ``positions [r, k]`` (each < ``num_positions``) in round ``step``."""
+    def slab(self, step: int) -> torch.Tensor:
+        """Every sample's uniforms ``[B, positions, 3]`` in round ``step`` (a view)."""
         while len(self.chunks) <= step // self.chunk:
             start = len(self.chunks) * self.chunk
             steps = torch.arange(start, start + self.chunk, device=self.positions.device)
             self.chunks.append(rng.uniform_streams(self.seed, self.sample_ids[:, None, None], self.STREAMS,
                                                    position=self.positions[None, :, None], step=steps[None, None, :]))
-        slab = self.chunks[step // self.chunk][:, :, step % self.chunk]  # [B, positions, 3]
+        return self.chunks[step // self.chunk][:, :, step % self.chunk]
+
+    def round(self, step: int, idx: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Uniforms ``[r, k, 3]`` of rows ``idx`` at ``positions [r, k]`` (each < ``num_positions``) in round ``step``."""
+        slab = self.slab(step)
         rows = slab if idx.shape[0] == slab.shape[0] else slab[idx]  # full batch: idx is arange
         return torch.gather(rows, 1, positions[:, :, None].expand(-1, -1, 3))
 
@@ -249,7 +254,10 @@ def _filled(value: int, n: int, device: torch.device) -> torch.Tensor:
 
 
 def _next_round(committed: torch.Tensor, num_tokens: int, gamma: int, labels: torch.Tensor, tokens: torch.Tensor,
-                all_rows: torch.Tensor, steps: torch.Tensor) -> _Round | None:
+                all_rows: torch.Tensor, steps: torch.Tensor, uniforms: RoundUniforms,
+                step: int) -> tuple[_Round, tuple[torch.Tensor, ...]] | None:
+    """Round ``step``'s rows and where they stand, and their uniforms: draft and accept ``[r, gamma]``, residual
+    ``[r]`` (:class:`RoundUniforms`); None once every row is done."""
     room = [num_tokens - 1 - c for c in committed.tolist()]  # the round's one host sync
     lengths = [min(g, gamma) for g in room if g >= 0]
     if not lengths:
@@ -259,12 +267,19 @@ def _next_round(committed: torch.Tensor, num_tokens: int, gamma: int, labels: to
     n_drafts = (_filled(gamma, len(room), committed.device) if min(room) >= gamma else
                 (num_tokens - 1 - committed).clamp(max=gamma))
     if len(lengths) == committed.shape[0]:
-        positions = committed[:, None] + steps
-        return _Round(all_rows, True, committed, n_drafts, lengths, labels, tokens, positions, positions - 1)
-    idx = torch.nonzero(n_drafts >= 0).squeeze(1)
-    n = committed[idx]
-    positions = n[:, None] + steps
-    return _Round(idx, False, n, n_drafts[idx], lengths, labels[idx], tokens[idx], positions, positions - 1)
+        kernels = cpu_rounds.bookkeeping(committed.device)
+        planned = None if kernels is None else kernels.chain_plan(committed, gamma, uniforms.slab(step))
+        if planned is not None and planned[0] is not None:  # one call, the same values
+            positions, fed_positions, *u = planned
+            return _Round(all_rows, True, committed, n_drafts, lengths, labels, tokens, positions, fed_positions), u
+        rnd = _Round(all_rows, True, committed, n_drafts, lengths, labels, tokens, committed[:, None] + steps, None)
+    else:
+        idx = torch.nonzero(n_drafts >= 0).squeeze(1)
+        n = committed[idx]
+        rnd = _Round(idx, False, n, n_drafts[idx], lengths, labels[idx], tokens[idx], n[:, None] + steps, None)
+    rnd.fed_positions = rnd.positions - 1
+    u = uniforms.round(step, rnd.idx, rnd.positions[:, :gamma])  # [r, gamma, (draft, accept, residual)]
+    return rnd, (u[:, :, 0], u[:, :, 1], u[:, 0, 2])
 
 
 def _draft(stream: GuidedModel, rnd: _Round, u_draft: torch.Tensor, first_round: bool, gamma: int,
@@ -358,6 +373,10 @@ def _decide(verifier: Verifier, rnd: _Round, P: torch.Tensor, Q: torch.Tensor, d
 def _commit(rnd: _Round, n_acc: torch.Tensor, next_token: torch.Tensor, tokens: torch.Tensor,
             committed: torch.Tensor, target_stream: GuidedModel, draft_stream: GuidedModel) -> None:
     """4. COMMIT: the accepted drafts are in place; the correction / bonus token follows them."""
+    kernels = cpu_rounds.bookkeeping(committed.device) if rnd.full else None
+    if kernels is not None and kernels.chain_commit(rnd.tokens, committed, target_stream.cache.lengths,
+                                                    draft_stream.cache.lengths, n_acc, next_token, rnd.n_drafts):
+        return  # one call, the same writes
     last = rnd.n + n_acc
     if rnd.full:  # rnd.idx is arange(batch): one index_put, no reshaping
         rnd.tokens[rnd.idx, last] = next_token
@@ -400,13 +419,13 @@ def _speculative(verifier: Verifier, params: Speculative, pair: ModelPair, label
 
     # Every active row is in round `it` (see RoundUniforms).
     for it in range(num_tokens):
-        rnd = _next_round(committed, num_tokens, gamma, labels, tokens, all_rows, steps)
-        if rnd is None:
+        planned = _next_round(committed, num_tokens, gamma, labels, tokens, all_rows, steps, uniforms, it)
+        if planned is None:
             break
-        u = uniforms.round(it, rnd.idx, rnd.positions[:, :gamma])  # [r, gamma, (draft, accept, residual)]
-        drafts, Q = _draft(draft_stream, rnd, u[:, :, 0], it == 0, gamma, target.config.vocab_size)
+        rnd, (u_draft, u_accept, u_residual) = planned
+        drafts, Q = _draft(draft_stream, rnd, u_draft, it == 0, gamma, target.config.vocab_size)
         P = _target_probs(target_stream, rnd, drafts, gamma)
-        n_acc, next_token = _decide(verifier, rnd, P, Q, drafts, u[:, :, 1], u[:, 0, 2])
+        n_acc, next_token = _decide(verifier, rnd, P, Q, drafts, u_accept, u_residual)
         _commit(rnd, n_acc, next_token, tokens, committed, target_stream, draft_stream)
         tally.observe_prefix(None if rnd.full else rnd.idx, rnd.positions[:, :gamma], rnd.n_drafts, n_acc)
     tally.flush()

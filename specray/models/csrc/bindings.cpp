@@ -20,6 +20,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("draw_children", &draw_children, "a tree level's children draws with the values of torch's operations");
   m.def("write_blocks", &write_blocks, "K/V of consecutive positions per row into a head-major CPU cache");
   m.def("move_slots", &move_slots, "K/V slots moved within a head-major CPU cache, every layer at once");
+  m.def("chain_plan", &chain_plan, "a draft GPT's round's positions and uniforms, every row taking part");
+  m.def("chain_commit", &chain_commit, "a draft GPT's round's commit: the next token, the caches' lengths");
   m.def("tree_masks", &tree_masks, "a static tree round's slots, positions and attention masks");
   m.def("tree_uniforms", &tree_uniforms, "a static tree round's uniforms per node");
   m.def("tree_commit", &tree_commit, "a static tree round's commit: tokens, the path's K/V and hidden states");

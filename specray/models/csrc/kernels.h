@@ -25,6 +25,21 @@ bool write_blocks(at::Tensor& storage, const at::Tensor& x, const at::Tensor& ro
 // to its sequence positions; false, with nothing moved, where the call is not one it serves.
 bool move_slots(at::Tensor& storage, const at::Tensor& rows, const at::Tensor& source, const at::Tensor& dest);
 
+// A draft GPT's speculative round where every row of the batch takes part (chain_bookkeeping.cpp), with the values
+// of specray/methods/discrete/loop.py's torch operations: from the committed lengths n [B] and the round's uniforms
+// slab [B, positions, 3] (float64, the streams draft, accept, residual last), positions n + i and fed positions
+// n + i - 1 [B, gamma + 1], u_draft and u_accept [B, gamma] (positions n .. n + gamma - 1) and u_residual [B]
+// (position n). Undefined tensors where the call is not one it serves.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> chain_plan(const at::Tensor& committed,
+                                                                                  int64_t gamma,
+                                                                                  const at::Tensor& slab);
+
+// Its commit: tokens [B, T] take next_token [B] at n + n_accepted; the target's cache lengths [B or 2B] (the uncond
+// rows after) n + n_accepted + 1, the draft's min(that, n + n_drafts); committed [B] (n, in place) n + n_accepted + 1.
+// False, with nothing written, where the call is not one it serves.
+bool chain_commit(at::Tensor& tokens, at::Tensor& committed, at::Tensor& target_lengths, at::Tensor& draft_lengths,
+                  const at::Tensor& n_accepted, const at::Tensor& next_token, const at::Tensor& n_drafts);
+
 // A static tree round's slots, positions and masks (tree_bookkeeping.cpp), with the values of
 // specray/methods/discrete/eagle_loop.py's torch operations, for cache rows with committed lengths n_rows [rows] on
 // the tree of depths [N + 1] and ancestor mask tree_visible [N + 1, N + 1] (node v sees node j): slots n + v and

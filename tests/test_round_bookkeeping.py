@@ -1,17 +1,22 @@
-"""The CPU kernels of a static tree round's bookkeeping (csrc/tree_bookkeeping.cpp, called by
-specray/methods/discrete/eagle_loop.py): the round's slots, positions and masks, its uniforms per node and its commit
-give the values and writes of torch's operations, and refuse, writing nothing, what they do not serve."""
+"""The CPU kernels of the discrete rounds' bookkeeping: a static tree round's slots, positions and masks (the EAGLE
+head's chain's too), uniforms per node and commit (csrc/tree_bookkeeping.cpp, called by
+specray/methods/discrete/eagle_loop.py), and a draft GPT's round's positions, uniforms and commit
+(csrc/chain_bookkeeping.cpp, called by loop.py), give the values and writes of torch's operations and refuse,
+writing nothing, what they do not serve; the GPT-draft and head-chain arms give the same samples with and without
+them."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from specray.methods.discrete import cpu_rounds, eagle_loop, tree_rules
+from specray.methods.discrete import cpu_rounds, eagle_loop, loop, tree_rules
+from specray.methods.discrete.loop import generate_tokens
 from specray.methods.discrete.params import SD
 from specray.methods.discrete.trees import NAMED_TREES, StaticTree
 from specray.models import cpu_kernels
 from specray.models.discrete_ar import load_pair
+from specray.models.presets import get_preset
 
 CPU = torch.device("cpu")
 TREES = {**NAMED_TREES, "custom": StaticTree.from_paths([[0], [1], [2], [0, 0], [0, 1], [2, 0], [0, 0, 0]]),
@@ -147,3 +152,111 @@ def test_the_round_commit_refuses_what_it_does_not_serve(extension):
         assert extension.tree_commit(*storage, target.features, row_tokens, rows, lengths, out.n_accepted, path,
                                      out.next_token, node_tokens, hidden) is None
     assert all(torch.equal(g, w) for g, w in zip(_state(target, row_tokens), before))
+
+
+# ---- a draft GPT's round -------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("batch", [1, 3, 32])
+@pytest.mark.parametrize("gamma", [1, 4, 6])
+def test_the_chain_round_plan_is_torchs(extension, monkeypatch, batch, gamma):
+    """Positions, fed positions and the draft, accept and residual uniforms of a round every row takes part in, at
+    committed lengths 1 .. 64 - gamma - 1 and rounds across two chunks of uniforms: torch's values; seed 5."""
+    num_tokens = 64
+    uniforms = loop.RoundUniforms(7, torch.arange(batch) + 3, num_tokens + gamma + 1)
+    steps, all_rows = torch.arange(gamma + 1), torch.arange(batch)
+    tokens = torch.zeros(batch, num_tokens + gamma + 1, dtype=torch.int64)
+    labels = torch.arange(batch) % 10
+    generator = torch.Generator().manual_seed(5)
+    for step in (0, 2, uniforms.chunk + 3):
+        committed = torch.randint(1, num_tokens - gamma, (batch,), generator=generator)
+        got = loop._next_round(committed, num_tokens, gamma, labels, tokens, all_rows, steps, uniforms, step)
+        with monkeypatch.context() as patch:
+            _torch_only(patch)
+            want = loop._next_round(committed, num_tokens, gamma, labels, tokens, all_rows, steps, uniforms, step)
+        assert torch.equal(got[0].positions, want[0].positions)
+        assert torch.equal(got[0].fed_positions, want[0].fed_positions)
+        for g, w in zip(got[1], want[1]):
+            assert g.dtype == w.dtype and torch.equal(g, w)
+    slab = uniforms.slab(0)
+    assert extension.chain_plan(torch.full((batch,), slab.shape[1] - gamma + 1), gamma, slab)[0] is None  # past it
+
+
+def _chain_streams(guided: bool, batch: int):
+    pair = load_pair("digits-gpt-target", "digits-gpt-draft", "cpu")
+    sampling = SD(cfg_scale=1.5 if guided else 1.0)
+    return [loop.GuidedModel(model, batch, sampling, 80) for model in (pair.target, pair.draft)]
+
+
+@pytest.mark.parametrize("guided", [True, False])
+@pytest.mark.parametrize("gamma", [1, 4])
+def test_the_chain_round_commit_writes_what_torch_writes(extension, monkeypatch, guided, gamma):
+    """The commit of a round of 6 rows, every accepted count 0 .. gamma and rows drafting fewer than gamma among them
+    (CFG on: both cache halves): the token buffer, the committed lengths and both caches' lengths equal torch's
+    operations' after the same call; seed 6."""
+    batch, generator = 6, torch.Generator().manual_seed(6)
+    committed = torch.randint(1, 50, (batch,), generator=generator)
+    n_drafts = torch.full((batch,), gamma)
+    n_drafts[-1] = gamma - 1
+    n_acc = torch.minimum(torch.arange(batch) % (gamma + 1), n_drafts)
+    next_token = torch.randint(0, 17, (batch,), generator=generator)
+    tokens = torch.randint(0, 17, (batch, 64 + gamma + 1), generator=generator)
+    results = []
+    for kernels_on in (True, False):
+        target_stream, draft_stream = _chain_streams(guided, batch)
+        for stream in (target_stream, draft_stream):
+            stream.cache.lengths.copy_(torch.randint(1, 60, stream.cache.lengths.shape, generator=generator))
+        n, buffer = committed.clone(), tokens.clone()
+        rnd = loop._Round(torch.arange(batch), True, n, n_drafts, [gamma] * batch, None, buffer, None, None)
+        with monkeypatch.context() as patch:
+            if not kernels_on:
+                _torch_only(patch)
+            loop._commit(rnd, n_acc, next_token, buffer, n, target_stream, draft_stream)
+        results.append((buffer, n, target_stream.cache.lengths, draft_stream.cache.lengths))
+    assert all(torch.equal(g, w) for g, w in zip(*results))
+    assert torch.equal(results[0][1], committed + n_acc + 1)
+
+
+def test_the_chain_round_commit_refuses_what_it_does_not_serve(extension):
+    """A correction past the token buffer, or cache lengths of another size: False, nothing written."""
+    target_stream, draft_stream = _chain_streams(True, 2)
+    tokens, committed = torch.zeros(2, 8, dtype=torch.int64), torch.tensor([3, 7])
+    args = (target_stream.cache.lengths, draft_stream.cache.lengths, torch.tensor([0, 1]), torch.tensor([5, 6]),
+            torch.tensor([4, 4]))
+    assert not extension.chain_commit(tokens, committed, *args)  # 7 + 1 is past the buffer's 8 tokens
+    assert not extension.chain_commit(tokens, torch.tensor([3, 4]), args[0][:3], *args[1:])
+    assert not tokens.any() and torch.equal(committed, torch.tensor([3, 7]))
+
+
+@pytest.mark.parametrize("method,params,draft", [
+    ("sd", {"gamma": 4}, "digits-gpt-draft"), ("block", {"gamma": 5}, "digits-gpt-draft"),
+    ("lantern", {"gamma": 4}, "digits-gpt-draft"), ("cool_sd", {"gamma": 4, "delta": 2.0}, "digits-gpt-draft"),
+    ("sd", {"gamma": 4, "cfg_scale": 1.0}, "digits-gpt-draft"), ("sd", {"gamma": 4}, "digits-gpt-eagle"),
+    ("block", {"gamma": 3}, "digits-gpt-eagle"),
+])
+def test_the_chain_arms_give_the_same_samples_with_and_without_the_kernels(extension, monkeypatch, method, params,
+                                                                         draft):
+    """GPT-draft and head-chain arms with the bookkeeping kernels (each serving) against torch's operations: 12 samples
+    at batch 12 (rows finish in different rounds: the tail rounds run on fewer rows, by torch's operations), CFG 1.5
+    unless set, seed 3; equal tokens and statistics."""
+    if not get_preset(draft).weights_path.exists():
+        pytest.skip(f"{draft} not trained")
+    pair = load_pair("digits-gpt-target", draft, "cpu")
+    ids = torch.arange(12) + 40
+    names = ("chain_plan", "chain_commit") if draft == "digits-gpt-draft" else ("chain_plan", "tree_masks")
+    served = {name: [] for name in names}
+    for name in names:
+        real = getattr(extension, name)
+        monkeypatch.setattr(extension, name, lambda *args, name=name, real=real: served[name].append(real(*args)) or
+                            served[name][-1])
+    with_kernels = generate_tokens(method, {"cfg_scale": 1.5, **params}, pair, ids % 10, ids, 3)
+    for name in names:
+        assert served[name] and all(out is not False and (not isinstance(out, tuple) or out[0] is not None)
+                                    for out in served[name]), name
+    _torch_only(monkeypatch)
+    for calls in served.values():
+        calls.clear()
+    without = generate_tokens(method, {"cfg_scale": 1.5, **params}, pair, ids % 10, ids, 3)
+    assert not any(served.values())
+    assert torch.equal(with_kernels[0], without[0])
+    assert [vars(s) for s in with_kernels[1]] == [vars(s) for s in without[1]]
