@@ -360,7 +360,7 @@ def main(argv: list[str] | None = None) -> None:
     pair = load_pair(TARGET, DRAFT, device)
     print(f"# specray continuous bench: {TARGET} vs {DRAFT} on {device}, {report['machine']} "
           f"({torch.get_num_threads()} thread(s), "
-          f"torch {torch.__version__}), gamma={args.gamma}, seed={args.seed}")
+          f"torch {torch.__version__}), gamma={args.gamma}, seed={args.seed}, heap {report['heap']}")
     for batch in [int(b) for b in args.batches.split(",")]:
         samples = samples_b1 if batch == 1 else (args.samples or batch * batches_large)
         results, costs = bench_batch(pair, batch, samples, reps, args.gamma, args.seed, cost_timings)

@@ -347,7 +347,7 @@ def main(argv: list[str] | None = None) -> None:
     pair = load_pair(TARGET, DRAFT, device)
     print(f"# specray diffusion bench: {TARGET} vs {DRAFT} on {device}, {report['machine']} "
           f"({torch.get_num_threads()} thread(s), "
-          f"torch {torch.__version__}), gamma={args.gamma}, seed={args.seed}")
+          f"torch {torch.__version__}), gamma={args.gamma}, seed={args.seed}, heap {report['heap']}")
     for num_steps in steps:
         for batch in [int(b) for b in args.batches.split(",")]:
             samples = samples_b1 if batch == 1 else batch * args.batches_large

@@ -435,7 +435,7 @@ def main(argv: list[str] | None = None) -> None:
     device, clock, report = start_report(args, target=TARGET, draft=DRAFT, head=HEAD, batches=[])
     pairs = {DRAFT: load_pair(TARGET, DRAFT, device), HEAD: load_pair(TARGET, HEAD, device)}
     print(f"# specray discrete bench: {TARGET} vs {DRAFT} and {HEAD} on {device}, {report['machine']} "
-          f"({torch.get_num_threads()} thread(s), torch {torch.__version__}), gamma={args.gamma}, seed={args.seed}")
+          f"({torch.get_num_threads()} thread(s), torch {torch.__version__}), gamma={args.gamma}, seed={args.seed}, heap {report['heap']}")
     for batch in [int(b) for b in args.batches.split(",")]:
         samples = samples_b1 if batch == 1 else batch * batches_large
         results, costs = bench_batch(pairs, batch, samples, reps, args.gamma, args.seed, cost_timings, args.replay)

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from specray.runtime.hardware import device_name
+from specray.runtime.heap import keep_freed_memory
 
 CLOCK_NAMES = ("wall", "cpu")
 
@@ -367,14 +368,17 @@ def add_common_args(ap: argparse.ArgumentParser, gamma: int) -> None:
 
 
 def start_report(args: argparse.Namespace, **fields: Any) -> tuple[torch.device, str, dict[str, Any]]:
-    """Set torch's threads; return the device, the main clock and the report's header (with the machine
-    in words, :func:`~specray.runtime.hardware.device_name`)."""
+    """Set torch's threads and, on a CPU, keep freed memory as the workers do (:mod:`specray.runtime.heap`); return
+    the device, the main clock and the report's header (with the machine in words,
+    :func:`~specray.runtime.hardware.device_name`, and ``heap``: whether freed memory is kept)."""
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
+    kept = device.type == "cpu" and keep_freed_memory()
     clock = args.clock if args.clock != "auto" else ("cpu" if device.type == "cpu" else "wall")
     report = {**fields, "device": str(device), "machine": device_name(device), "gamma": args.gamma, "seed": args.seed,
               "threads": torch.get_num_threads(), "torch": torch.__version__, "python": platform.python_version(),
-              "quick": args.quick, "clock": clock, "started": time.perf_counter()}
+              "quick": args.quick, "clock": clock, "heap": "kept" if kept else "glibc's default",
+              "started": time.perf_counter()}
     return device, clock, report
 
 

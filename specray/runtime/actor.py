@@ -27,6 +27,7 @@ from specray.methods.params import MethodParams
 from specray.models.pair import ModelPair
 from specray.models.refs import ref_from_key
 from specray.runtime.hardware import device_name
+from specray.runtime.heap import keep_freed_memory
 from specray.runtime.images import image_cell
 from specray.runtime.plan import ShardPlan, ShardTask, shard_relpath
 from specray.runtime.store import RunStore, ShardIdentity, rows_to_table
@@ -102,6 +103,7 @@ class ShardWorker:
         if self.device.type == "cpu":
             # One intra-op thread per CPU Ray gave us: actors on one node must not oversubscribe it.
             torch.set_num_threads(spec.intra_op_threads)
+            keep_freed_memory()  # the speculative loops' calls change shape: no page faults for reused memory
         self._pairs: dict[tuple[str, str, str | None], ModelPair] = {}
         self._methods: dict[str, tuple[Method, MethodParams]] = {}  # arm name -> entry and typed params
         self._prompt_cache = None  # a prompt job's text encoder with its per-prompt cache, loaded once
@@ -112,7 +114,8 @@ class ShardWorker:
     def info(self) -> dict[str, Any]:
         """Who and where this worker is; the coordinator awaits it before handing out work."""
         return {"device": str(self.device), "device_name": device_name(self.device), "pid": os.getpid(),
-                "host": socket.gethostname(), "actor": self.actor, "threads": torch.get_num_threads()}
+                "host": socket.gethostname(), "actor": self.actor, "threads": torch.get_num_threads(),
+                "keeps_freed_memory": self.device.type == "cpu" and keep_freed_memory()}
 
     def gpu_assignment(self) -> dict[str, Any]:
         """What Ray gave this worker and what it made of it (read by the GPU-pinning test)."""
