@@ -5,10 +5,10 @@ glibc hands freed memory back to the kernel at the top of its heap (trimming) an
 threshold their own mappings, which ``free`` unmaps. A speculative round's model calls change shape from call to
 call (a draft on the rows still drafting, a verify of gamma + 1 states a row, the resampled rows), so a freed
 activation rarely fits the next call and is unmapped or trimmed, to be faulted in again, page by page, a call later:
-a diffusion round at batch 32 faulted in about 190,000 pages a batch, 12 % of its time, while target_only, whose
-calls repeat one shape, faulted in none. With both thresholds at :data:`KEEP_BYTES` the same run faults in about
-4,000 and its peak memory is the same (the process's high-water mark); the memory is not returned to the system
-while the worker lives, so only CPU workers do this (a GPU worker's host memory holds little after loading).
+the diffusion family's speculative arms at batch 32 faulted in 27,000-293,000 pages a batch, 1-12 % of their time,
+while target_only, whose calls repeat one shape, faulted in none. With both thresholds at :data:`KEEP_BYTES` they
+fault in 900-5,000 and the peak memory is the same (the process's high-water mark); the memory is not returned to the
+system while the worker lives, so only CPU workers do this (a GPU worker's host memory holds little after loading).
 
 ``SPECRAY_KEEP_FREED_MEMORY=0`` turns it off; glibc settings of the user's own (``MALLOC_TRIM_THRESHOLD_``,
 ``MALLOC_MMAP_THRESHOLD_``, ``GLIBC_TUNABLES`` with ``glibc.malloc``) are left as they are. Other C libraries: nothing.
