@@ -270,8 +270,9 @@ def _next_round(committed: torch.Tensor, num_tokens: int, gamma: int, labels: to
         kernels = cpu_rounds.bookkeeping(committed.device)
         planned = None if kernels is None else kernels.chain_plan(committed, gamma, uniforms.slab(step))
         if planned is not None and planned[0] is not None:  # one call, the same values
-            positions, fed_positions, *u = planned
-            return _Round(all_rows, True, committed, n_drafts, lengths, labels, tokens, positions, fed_positions), u
+            positions, fed_positions, u_draft, u_accept, u_residual = planned
+            rnd = _Round(all_rows, True, committed, n_drafts, lengths, labels, tokens, positions, fed_positions)
+            return rnd, (u_draft, u_accept, u_residual)
         rnd = _Round(all_rows, True, committed, n_drafts, lengths, labels, tokens, committed[:, None] + steps, None)
     else:
         idx = torch.nonzero(n_drafts >= 0).squeeze(1)
