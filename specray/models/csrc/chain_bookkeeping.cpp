@@ -8,23 +8,12 @@
 #include <cstdint>
 #include <tuple>
 
-namespace {
-
-bool on_cpu_longs(std::initializer_list<const at::Tensor*> tensors) {
-  for (const at::Tensor* t : tensors) {
-    if (!t->device().is_cpu() || t->scalar_type() != at::kLong || t->dim() != 1) return false;
-  }
-  return true;
-}
-
-}  // namespace
-
 // See kernels.h.
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> chain_plan(const at::Tensor& committed,
                                                                                   int64_t gamma,
                                                                                   const at::Tensor& slab) {
-  if (!on_cpu_longs({&committed}) || !slab.device().is_cpu() || slab.scalar_type() != at::kDouble ||
-      slab.dim() != 3 || slab.size(0) != committed.size(0) || slab.size(2) != 3 || gamma < 1) {
+  if (!on_cpu({&committed}, at::kLong) || !on_cpu({&slab}, at::kDouble) || committed.dim() != 1 || slab.dim() != 3 ||
+      slab.size(0) != committed.size(0) || slab.size(2) != 3 || gamma < 1) {
     return {};
   }
   const int64_t rows = committed.size(0);
@@ -41,6 +30,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> chain_pla
   int64_t* fed = fed_positions.data_ptr<int64_t>();
   double* draft = u_draft.data_ptr<double>();
   double* accept = u_accept.data_ptr<double>();
+  double* residual = u_residual.data_ptr<double>();
   const auto u = slab.accessor<double, 3>();
   for (int64_t b = 0; b < rows; ++b) {
     // Draft i is image token n + i, fed at sequence position n + i; its keys are position n + i's.
@@ -52,7 +42,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> chain_pla
       draft[b * gamma + i] = u[b][n[b] + i][0];
       accept[b * gamma + i] = u[b][n[b] + i][1];
     }
-    u_residual.data_ptr<double>()[b] = u[b][n[b]][2];
+    residual[b] = u[b][n[b]][2];
   }
   return {positions, fed_positions, u_draft, u_accept, u_residual};
 }
@@ -60,8 +50,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> chain_pla
 // See kernels.h. Every index is checked before anything is written.
 bool chain_commit(at::Tensor& tokens, at::Tensor& committed, at::Tensor& target_lengths, at::Tensor& draft_lengths,
                   const at::Tensor& n_accepted, const at::Tensor& next_token, const at::Tensor& n_drafts) {
-  if (!on_cpu_longs({&committed, &target_lengths, &draft_lengths, &n_accepted, &next_token, &n_drafts}) ||
-      !tokens.device().is_cpu() || tokens.scalar_type() != at::kLong || tokens.dim() != 2) {
+  if (!on_cpu({&tokens, &committed, &target_lengths, &draft_lengths, &n_accepted, &next_token, &n_drafts}, at::kLong) ||
+      tokens.dim() != 2 || committed.dim() != 1 || target_lengths.dim() != 1 || draft_lengths.dim() != 1 ||
+      n_accepted.dim() != 1 || next_token.dim() != 1 || n_drafts.dim() != 1) {
     return false;
   }
   const int64_t rows = committed.size(0), cache_rows = target_lengths.size(0);

@@ -9,8 +9,24 @@
 #include <ATen/ops/empty_like.h>
 #include <c10/util/Exception.h>
 
+#include <initializer_list>
 #include <optional>
 #include <tuple>
+
+// Whether every tensor is on the CPU, and (with a type) of that scalar type: the kernels' argument checks.
+inline bool on_cpu(std::initializer_list<const at::Tensor*> tensors) {
+  for (const at::Tensor* t : tensors) {
+    if (!t->device().is_cpu()) return false;
+  }
+  return true;
+}
+
+inline bool on_cpu(std::initializer_list<const at::Tensor*> tensors, at::ScalarType type) {
+  for (const at::Tensor* t : tensors) {
+    if (!t->device().is_cpu() || t->scalar_type() != type) return false;
+  }
+  return true;
+}
 
 // Attention over a KV cache with the values of torch's CPU flash-attention kernel (decode_attention.cpp);
 // an undefined tensor where a block is off the alignment the summation orders were read at.

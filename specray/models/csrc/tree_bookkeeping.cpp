@@ -9,31 +9,12 @@
 #include <cstdint>
 #include <cstring>
 #include <tuple>
-#include <vector>
-
-namespace {
-
-bool on_cpu(std::initializer_list<const at::Tensor*> tensors) {
-  for (const at::Tensor* t : tensors) {
-    if (!t->device().is_cpu()) return false;
-  }
-  return true;
-}
-
-bool of_type(std::initializer_list<const at::Tensor*> tensors, at::ScalarType type) {
-  for (const at::Tensor* t : tensors) {
-    if (t->scalar_type() != type) return false;
-  }
-  return true;
-}
-
-}  // namespace
 
 // See kernels.h.
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> tree_masks(
     const at::Tensor& n_rows, const at::Tensor& depths, const at::Tensor& tree_visible, int64_t span, int64_t window) {
-  if (!on_cpu({&n_rows, &depths, &tree_visible}) || !of_type({&n_rows, &depths}, at::kLong) ||
-      tree_visible.scalar_type() != at::kBool || n_rows.dim() != 1 || depths.dim() != 1 || tree_visible.dim() != 2 ||
+  if (!on_cpu({&n_rows, &depths}, at::kLong) || !on_cpu({&tree_visible}, at::kBool) || n_rows.dim() != 1 ||
+      depths.dim() != 1 || tree_visible.dim() != 2 ||
       tree_visible.size(0) != depths.size(0) || tree_visible.size(1) != depths.size(0) || window < 1) {
     return {};
   }
@@ -85,8 +66,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
 std::tuple<at::Tensor, at::Tensor, at::Tensor> tree_uniforms(const at::Tensor& slab, const at::Tensor& idx,
                                                              const at::Tensor& n, const at::Tensor& offset,
                                                              const at::Tensor& rank) {
-  if (!on_cpu({&slab, &idx, &n, &offset, &rank}) || slab.scalar_type() != at::kDouble ||
-      !of_type({&idx, &n, &offset, &rank}, at::kLong) || slab.dim() != 4 || slab.size(3) != 3 || idx.dim() != 1 ||
+  if (!on_cpu({&slab}, at::kDouble) || !on_cpu({&idx, &n, &offset, &rank}, at::kLong) || slab.dim() != 4 ||
+      slab.size(3) != 3 || idx.dim() != 1 ||
       n.sizes() != idx.sizes() || offset.dim() != 1 || rank.sizes() != offset.sizes() || offset.size(0) < 2) {
     return {};
   }
@@ -128,10 +109,8 @@ at::Tensor tree_commit(at::Tensor& keys, at::Tensor& values, at::Tensor& feature
                        const at::Tensor& cache_rows, const at::Tensor& n, const at::Tensor& n_accepted,
                        const at::Tensor& path, const at::Tensor& next_token, const at::Tensor& node_tokens,
                        const at::Tensor& hidden) {
-  if (!on_cpu({&keys, &values, &features, &row_tokens, &cache_rows, &n, &n_accepted, &path, &next_token,
-               &node_tokens, &hidden}) ||
-      !of_type({&keys, &values, &features, &hidden}, at::kFloat) ||
-      !of_type({&row_tokens, &cache_rows, &n, &n_accepted, &path, &next_token, &node_tokens}, at::kLong)) {
+  if (!on_cpu({&keys, &values, &features, &hidden}, at::kFloat) ||
+      !on_cpu({&row_tokens, &cache_rows, &n, &n_accepted, &path, &next_token, &node_tokens}, at::kLong)) {
     return {};
   }
   if (keys.dim() != 5 || values.sizes() != keys.sizes() || !keys.is_contiguous() || !values.is_contiguous() ||
@@ -141,8 +120,7 @@ at::Tensor tree_commit(at::Tensor& keys, at::Tensor& values, at::Tensor& feature
     return {};
   }
   const int64_t r = n.size(0), rows = cache_rows.size(0), depth = path.size(1), nodes = hidden.size(1);
-  const int64_t D = hidden.size(2), L = keys.size(0), R = keys.size(1), H = keys.size(2), S = keys.size(3);
-  const int64_t d = keys.size(4), T = row_tokens.size(1);
+  const int64_t D = hidden.size(2), R = keys.size(1), S = keys.size(3), T = row_tokens.size(1);
   if (r < 1 || (rows != r && rows != 2 * r) || hidden.size(0) != rows || n_accepted.size(0) != r ||
       path.size(0) != r || next_token.size(0) != r || node_tokens.size(0) != r || node_tokens.size(1) < nodes ||
       row_tokens.size(0) != r || features.size(2) != D || depth < 1) {
@@ -168,6 +146,21 @@ at::Tensor tree_commit(at::Tensor& keys, at::Tensor& values, at::Tensor& feature
     }
   }
 
+  // K/V, first (move_slots writes nothing where it refuses): accepted depth t's node slot n + path[t] moves to slot
+  // n + 1 + t in every layer and head; a rejected depth moves onto itself.
+  at::Tensor source = at::empty({rows, depth}, n.options()), dest = at::empty({rows, depth}, n.options());
+  int64_t* from_slot = source.data_ptr<int64_t>();
+  int64_t* to_slot = dest.data_ptr<int64_t>();
+  for (int64_t i = 0; i < rows; ++i) {
+    const int64_t b = i % r;
+    for (int64_t t = 0; t < depth; ++t) {
+      to_slot[i * depth + t] = length[b] + 1 + t;
+      from_slot[i * depth + t] = t < accepted[b] ? length[b] + node[b][t] : length[b] + 1 + t;
+    }
+  }
+  if (!move_slots(keys, cache_rows, source, dest)) return {};
+  TORCH_INTERNAL_ASSERT(move_slots(values, cache_rows, source, dest), "values laid out unlike keys");
+
   // Tokens: accepted depth t to image token n + t; a rejected depth's token to the scratch token n + depth (the last
   // one written stays, as torch's scatter leaves it); the correction / bonus at n + n_accepted.
   auto tokens = row_tokens.accessor<int64_t, 2>();
@@ -181,27 +174,6 @@ at::Tensor tree_commit(at::Tensor& keys, at::Tensor& values, at::Tensor& feature
     }
     tokens[b][length[b] + accepted[b]] = next[b];
     new_length[b] = length[b] + accepted[b] + 1;
-  }
-
-  // K/V: accepted depth t's node slot n + path[t] moves to slot n + 1 + t in every layer and head (a rejected depth
-  // moves onto itself: nothing to do). Every source is read before any write: a destination may be another's source.
-  float* kv[2] = {keys.data_ptr<float>(), values.data_ptr<float>()};
-  std::vector<float> held(depth * d);
-  for (float* cache : kv) {
-    for (int64_t l = 0; l < L; ++l) {
-      for (int64_t i = 0; i < rows; ++i) {
-        const int64_t b = i % r, moved = accepted[b];
-        for (int64_t h = 0; h < H; ++h) {
-          float* block = cache + (((l * R + cache_row[i]) * H + h) * S) * d;  // one (layer, row, head): S slots of d
-          for (int64_t t = 0; t < moved; ++t) {
-            std::memcpy(held.data() + t * d, block + (length[b] + node[b][t]) * d, d * sizeof(float));
-          }
-          for (int64_t t = 0; t < moved; ++t) {
-            std::memcpy(block + (length[b] + 1 + t) * d, held.data() + t * d, d * sizeof(float));
-          }
-        }
-      }
-    }
   }
 
   // Hidden states: the root's at slot n; depth t's node's (accepted or not) at n + 1 + t.

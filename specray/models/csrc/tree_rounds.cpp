@@ -18,13 +18,6 @@ using namespace round_math;
 
 namespace {
 
-bool cpu(std::initializer_list<const at::Tensor*> tensors) {
-  for (const at::Tensor* t : tensors) {
-    if (!t->device().is_cpu()) return false;
-  }
-  return true;
-}
-
 bool all_within(const at::Tensor& ids, int64_t low, int64_t high) {
   const at::Tensor flat = ids.contiguous();
   const int64_t* x = flat.data_ptr<int64_t>();
@@ -51,7 +44,7 @@ bool serves_tree(const at::Tensor& P, const at::Tensor& Q, const at::Tensor& tok
       tree.internal_of.dim() != 1 || tree.depths.dim() != 1 || tree.path_to.dim() != 2) {
     return false;
   }
-  if (!cpu({&P, &Q, &tokens, &valid, &u_accept, &u_residual, &tree.child_nodes, &tree.child_exists,
+  if (!on_cpu({&P, &Q, &tokens, &valid, &u_accept, &u_residual, &tree.child_nodes, &tree.child_exists,
             &tree.internal_of, &tree.depths, &tree.path_to})) {
     return false;
   }
@@ -196,7 +189,7 @@ TreeOutputs lantern_tree_round(const at::Tensor& P, const at::Tensor& Q, const a
 bool draw_children(const at::Tensor& q, const at::Tensor& u, at::Tensor& node_tokens, at::Tensor& node_valid,
                    const at::Tensor& parents, const at::Tensor& kids) {
   if (q.dim() != 3 || u.dim() != 2 || node_tokens.dim() != 2 || node_valid.dim() != 2 || parents.dim() != 1 ||
-      kids.dim() != 2 || !cpu({&q, &u, &node_tokens, &node_valid, &parents, &kids})) {
+      kids.dim() != 2 || !on_cpu({&q, &u, &node_tokens, &node_valid, &parents, &kids})) {
     return false;
   }
   const bool floating = q.scalar_type() == at::kFloat || q.scalar_type() == at::kDouble;
