@@ -124,14 +124,13 @@ def test_the_round_commit_writes_what_torch_writes(extension, monkeypatch, name,
     tree = TREES[name]
     target, idx, n, out, node_tokens, hidden, row_tokens = _commit_case(tree, guided, torch.Generator().manual_seed(3))
     before = _state(target, row_tokens)
-    accepted = torch.arange(tree.depth)[None] < out.n_accepted[:, None]
-    new_n = eagle_loop._commit_tree(target, idx, n, out, node_tokens, hidden, row_tokens, accepted)
+    new_n = eagle_loop._commit_tree(target, idx, n, out, node_tokens, hidden, row_tokens)
     got = _state(target, row_tokens)
     for tensor, saved in zip((target.keys, target.values, target.features, row_tokens), before):
         tensor.copy_(saved)
     with monkeypatch.context() as patch:
         _torch_only(patch)
-        want_n = eagle_loop._commit_tree(target, idx, n, out, node_tokens, hidden, row_tokens, accepted)
+        want_n = eagle_loop._commit_tree(target, idx, n, out, node_tokens, hidden, row_tokens)
     assert torch.equal(new_n, want_n) and torch.equal(new_n, n + out.n_accepted + 1)
     assert all(torch.equal(g, w) for g, w in zip(got, _state(target, row_tokens)))
     assert not torch.equal(got[0], before[0])  # it moved something
@@ -207,7 +206,8 @@ def test_the_chain_round_commit_writes_what_torch_writes(extension, monkeypatch,
         for stream in (target_stream, draft_stream):
             stream.cache.lengths.copy_(torch.randint(1, 60, stream.cache.lengths.shape, generator=generator))
         n, buffer = committed.clone(), tokens.clone()
-        rnd = loop._Round(torch.arange(batch), True, n, n_drafts, [gamma] * batch, None, buffer, None, None)
+        rnd = loop._Round(torch.arange(batch), True, n, n_drafts, [gamma] * batch, None, buffer, None, None,
+                          int(n.max()))
         with monkeypatch.context() as patch:
             if not kernels_on:
                 _torch_only(patch)

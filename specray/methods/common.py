@@ -122,12 +122,13 @@ class RoundTally:
         self.timeline_drafted, self.timeline_accepted = zeros(batch, self._width), zeros(batch, self._width)
         self._slots = torch.arange(max(gamma, 1) + 1, device=device)
         self._all_rows = torch.arange(batch, device=device)
-        # Full rounds kept aside until flush: (positions [batch, G], [2, batch] drafted and accepted
-        # counts). The positions are kept by reference: callers pass a fresh tensor each round.
-        self._full_rounds: list[tuple[torch.Tensor, torch.Tensor]] = []
-        # Full rounds reported as masks (observe with rows None), kept the same way: (positions, drafted,
-        # accepted, drafted count or None), each [batch, G] ([batch] for the count).
+        # Full rounds kept aside until flush, by reference (callers pass fresh tensors each round): prefix rounds as
+        # (positions [batch, G], drafted and accepted counts [batch]); rounds reported as masks (observe with rows
+        # None) as (positions, drafted, accepted, drafted count or None), each [batch, G] ([batch] for the count);
+        # tree rounds as observe_tree's arguments.
+        self._full_rounds: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
         self._full_masks: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]] = []
+        self._full_trees: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = []
 
     def slots(self, n: int) -> torch.Tensor:
         """``arange(n)`` on the tally's device (n <= gamma + 1), for building masks from counts."""
@@ -156,12 +157,33 @@ class RoundTally:
 
     def observe_prefix(self, rows: torch.Tensor | None, positions: torch.Tensor, n_drafted: torch.Tensor,
                        n_accepted: torch.Tensor) -> None:
-        """:meth:`observe` for rounds that draft and accept a prefix: counts ``[r]`` instead of masks."""
-        if rows is None:  # the common full round: one op now, counters and timeline built in flush
-            self._full_rounds.append((positions, torch.stack([n_drafted, n_accepted])))
+        """:meth:`observe` for rounds that draft and accept a prefix: counts ``[r]`` instead of masks (``positions``
+        may have more slots than a row drafts, up to ``gamma + 1``: slots past ``n_drafted`` count as not drafted)."""
+        if rows is None:  # the common full round: no op now, counters and timeline built in flush
+            self._full_rounds.append((positions, n_drafted, n_accepted))
             return
         slot = self.slots(positions.shape[1])[None, :]
         self.observe(rows, positions, slot < n_drafted[:, None], slot < n_accepted[:, None])
+
+    def observe_tree(self, rows: torch.Tensor | None, n: torch.Tensor, drafted_nodes: torch.Tensor,
+                     n_accepted: torch.Tensor, node_depth: torch.Tensor) -> None:
+        """:meth:`observe` for a round that drafts a tree from committed lengths ``n [r]``: ``drafted_nodes [r, N]``
+        which nodes were drafted, ``node_depth [N, G]`` each node's depth one-hot (node v at depth t + 1 in column t,
+        the root's row all False), ``n_accepted [r]`` the accepted depths. Slot t is image token ``n + t``: drafted
+        where a node of depth t + 1 was, accepted below ``n_accepted``; the drafted count is the drafted nodes. With
+        ``rows`` None the tensors are kept by reference until :meth:`flush`, as :meth:`observe` keeps them."""
+        if rows is None:  # the common full round: no op now, masks built in flush for all such rounds at once
+            self._full_trees.append((n, drafted_nodes, n_accepted, node_depth))
+            return
+        self.observe(rows, *self._tree_masks(n, drafted_nodes, n_accepted, node_depth))
+
+    def _tree_masks(self, n: torch.Tensor, drafted_nodes: torch.Tensor, n_accepted: torch.Tensor,
+                    node_depth: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """:meth:`observe_tree`'s rounds as positions, drafted and accepted masks ``[..., G]`` and drafted counts
+        ``[...]`` (any leading dimensions: a round's rows, or rounds by rows)."""
+        slot = self.slots(node_depth.shape[1])
+        drafted_at = drafted_nodes[..., None] & node_depth  # [..., N, G]
+        return (n[..., None] + slot, drafted_at.any(-2), slot < n_accepted[..., None], drafted_at.sum((-2, -1)))
 
     def _add_timeline(self, rows: torch.Tensor | None, positions: torch.Tensor, drafted: torch.Tensor,
                       accepted: torch.Tensor) -> None:
@@ -185,17 +207,19 @@ class RoundTally:
     def flush(self) -> None:
         """Fold the full rounds kept aside into the counters (to_stats does it too), stacked by round
         width (integer sums: the order does not matter)."""
-        for width in sorted({positions.shape[1] for positions, _ in self._full_rounds}):
+        for width in sorted({positions.shape[1] for positions, _, _ in self._full_rounds}):
             group = [kept for kept in self._full_rounds if kept[0].shape[1] == width]
-            counts = torch.stack([c for _, c in group])  # [R, (drafted, accepted), batch]
+            positions, n_drafted, n_accepted = (torch.stack([kept[i] for kept in group]) for i in range(3))
             slot = self.slots(width)
-            self._fold(torch.stack([p for p, _ in group]), slot < counts[:, 0, :, None], slot < counts[:, 1, :, None],
-                       counts[:, 0])
+            self._fold(positions, slot < n_drafted[..., None], slot < n_accepted[..., None], n_drafted)
         for width in sorted({positions.shape[1] for positions, *_ in self._full_masks}):
             group = [kept for kept in self._full_masks if kept[0].shape[1] == width]
             positions, drafted, accepted = (torch.stack([kept[i] for kept in group]) for i in range(3))
             self._fold(positions, drafted, accepted, torch.stack([d.sum(1) if c is None else c for _, d, _, c in group]))
-        self._full_rounds, self._full_masks = [], []
+        for depths in {id(kept[3]): kept[3] for kept in self._full_trees}.values():  # one table per tree drafted
+            group = [kept for kept in self._full_trees if kept[3] is depths]
+            self._fold(*self._tree_masks(*(torch.stack([kept[i] for kept in group]) for i in range(3)), depths))
+        self._full_rounds, self._full_masks, self._full_trees = [], [], []
 
     def _fold(self, positions: torch.Tensor, drafted: torch.Tensor, accepted: torch.Tensor,
               drafted_counts: torch.Tensor) -> None:

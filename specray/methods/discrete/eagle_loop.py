@@ -68,8 +68,8 @@ class _Streams:
         self.guided = sampling.uses_uncond
         self.rows = 2 * batch if self.guided else batch
         self.calls = 0
-        self._rows_of: torch.Tensor | None = None  # cache_rows' last samples, and their rows
-        self._rows = None
+        self._rows_of: torch.Tensor | None = None  # cache_rows' last samples, their rows, and those as a column
+        self._rows = self._rows_column = None
 
     def cache_rows(self, idx: torch.Tensor) -> torch.Tensor:
         """The cache rows of the samples ``idx`` (made once per ``idx`` object: a round asks several times)."""
@@ -77,7 +77,17 @@ class _Streams:
             return idx
         if idx is not self._rows_of:
             self._rows_of, self._rows = idx, torch.cat([idx, idx + self.batch])
+            self._rows_column = None
         return self._rows
+
+    def cache_rows_column(self, idx: torch.Tensor) -> torch.Tensor:
+        """``cache_rows(idx)[:, None]``, an index's row column (made once per ``idx`` object, as cache_rows)."""
+        rows = self.cache_rows(idx)
+        if not self.guided:
+            return rows[:, None]
+        if self._rows_column is None:
+            self._rows_column = rows[:, None]
+        return self._rows_column
 
     def both(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` for the cond rows, repeated for the uncond rows."""
@@ -101,6 +111,8 @@ class TargetStream(_Streams):
         shape = {"max_len": max_len, "n_head": model.config.n_head, "head_dim": model.config.head_dim, "like": weight}
         self.keys = kv_slots(layers, self.rows, **shape)
         self.values = kv_slots(layers, self.rows, **shape)
+        # The same slots as laid out in memory (head-major, kv_slots), as the C++ copies take them; views.
+        self.stored = (self.keys.transpose(-3, -2), self.values.transpose(-3, -2))
         self.cache = KVCache([self.keys[i] for i in range(layers)], [self.values[i] for i in range(layers)],
                              torch.zeros(self.rows, dtype=torch.int64, device=weight.device))
         self.features = torch.zeros(self.rows, max_len, model.config.dim, dtype=weight.dtype, device=weight.device)
@@ -122,21 +134,22 @@ class TargetStream(_Streams):
 
     def keep_features(self, idx: torch.Tensor, slots: torch.Tensor, hidden: torch.Tensor, paired: bool = False) -> None:
         """Store hidden states ``[rows, k, D]`` at ``slots [r, k]`` of the samples ``idx`` (``[rows, k]`` if ``paired``)."""
-        self.features[self.cache_rows(idx)[:, None], slots if paired else self.both(slots)] = hidden.to(
-            self.features.dtype)
+        same = hidden.dtype == self.features.dtype  # no op where nothing converts
+        self.features[self.cache_rows_column(idx), slots if paired else self.both(slots)] = (
+            hidden if same else hidden.to(self.features.dtype))
 
     def read_features(self, idx: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         """Hidden states ``[rows, k, D]`` at ``slots [rows, k]`` (given for every cache row) of the samples ``idx``."""
-        return self.features[self.cache_rows(idx)[:, None], slots]
+        return self.features[self.cache_rows_column(idx), slots]
 
     def move(self, idx: torch.Tensor, source: torch.Tensor, dest: torch.Tensor, hidden: torch.Tensor) -> None:
         """Move K/V of slots ``source [r, k]`` to ``dest [r, k]`` and store ``hidden [rows, k, D]`` at ``dest``."""
         rows = self.cache_rows(idx)
         src, dst = self.both(source), self.both(dest)
         kernels = cpu_kernels.extension() if self.features.device.type == "cpu" else None
-        for slots in (self.keys, self.values):
+        for slots, stored in zip((self.keys, self.values), self.stored):
             # One C++ call per tensor on a CPU (a copy: the same values), else torch's indexed copy.
-            if kernels is None or not kernels.move_slots(slots.transpose(-3, -2), rows, src, dst):
+            if kernels is None or not kernels.move_slots(stored, rows, src, dst):
                 slots[:, rows[:, None], dst] = slots[:, rows[:, None], src]  # the right side is a copy: overlaps are safe
         self.features[rows[:, None], dst] = hidden.to(self.features.dtype)
 
@@ -218,14 +231,15 @@ def _catch_up_window(n_rows: torch.Tensor, window: int, span: int) -> tuple[torc
 
 
 def _catch_up(head: HeadStream, target: TargetStream, idx: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
-              visible: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """1. CATCH UP at ``positions`` with mask ``visible`` (:func:`_catch_up_window`): the first draft's law ``[r, V]``
-    and the head's prediction at the last position ``[rows, D]``."""
+              visible: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """1. CATCH UP at ``positions`` with mask ``visible`` (:func:`_catch_up_window`): the first draft's law ``[r, 1, V]``
+    and the head's prediction at the last position ``[rows, 1, D]`` (as a head step gives them), and the image
+    tokens it fed ``[r, window]``, the last one token ``n - 1``, the tree's root."""
     before = positions - 1  # image token s - 1 is fed at position s
     features = target.read_features(idx, before)
-    q, predicted = head.probs(idx, features, tokens.gather(1, before[: tokens.shape[0]]), positions, positions,
-                              visible, paired=True)
-    return q[:, -1], predicted[:, -1]
+    fed = tokens.gather(1, before[: tokens.shape[0]])
+    q, predicted = head.probs(idx, features, fed, positions, positions, visible, paired=True)
+    return q[:, -1:], predicted[:, -1:], fed
 
 
 # ---- chain ------------------------------------------------------------------------------------------
@@ -249,38 +263,39 @@ def _chain(method: Method, params: Speculative, pair: ModelPair, labels: torch.T
     all_rows = torch.arange(batch, device=device)
     steps = torch.arange(gamma + 1, device=device)
     path = tree_index(StaticTree.chain(gamma), device)  # node i at depth i: slot and position n + i
+    on_cpu = device.type == "cpu"
     for it in range(num_tokens):
         planned = _next_round(committed, num_tokens, gamma, labels, tokens, all_rows, steps, uniforms, it)
         if planned is None:
             break
         rnd, (u_draft, u_accept, u_residual) = planned
         # Every call of the round sees no slot past the verify's last position: one span for all of them.
-        span = attention_span(rnd.positions, target.cache.max_len)  # the cache's slots: max_len rounded up on a CPU
+        # The cache's slots (max_len rounded up) on a CPU, where the largest position is known on the host.
+        span = attention_span(rnd.positions, target.cache.max_len, checked=rnd.top + gamma if on_cpu else None)
         # The round's positions and masks for every cache row (cond rows, then uncond), built once, as a one-path
         # tree's: the verify reads them whole, each head step its column (the head has no position 0).
         _, positions, visible, head_visible, *catch_up = _round_masks(path, head.both(rnd.n), span, gamma + 1)
-        q, predicted = _catch_up(head, target, rnd.idx, rnd.tokens, *catch_up)
+        q, predicted, _ = _catch_up(head, target, rnd.idx, rnd.tokens, *catch_up)
         # Per-step columns split off once, the laws and drafts stacked once (fewer ops than indexing).
         step_positions = positions[:, 1:gamma, None].unbind(1)  # [rows, 1] columns, one op (split costs more)
         step_visible = head_visible[:, 1:gamma, None].unbind(1)  # [rows, 1, span]
-        qs, ds = [], []
+        qs, ds = [], []  # the laws [r, 1, V] and predictions [rows, 1, D] as the head gives them: no reshaping
         for i, u_step in enumerate(u_draft[:, :, None].unbind(1)):
             if i:
                 at = step_positions[i - 1]
-                q, out = head.probs(rnd.idx, predicted[:, None], ds[-1], at, at, step_visible[i - 1], paired=True)
-                q, predicted = q[:, 0], out[:, 0]
+                q, predicted = head.probs(rnd.idx, predicted, ds[-1], at, at, step_visible[i - 1], paired=True)
             qs.append(q)
-            ds.append(cpu_rounds.sample_categorical_keepdim(q, u_step))  # [r, 1]: the next step's fed column
-        drafts, Q = torch.cat(ds, dim=1), torch.stack(qs, dim=1)
+            ds.append(cpu_rounds.sample_categorical_keepdim(q[:, 0], u_step))  # [r, 1]: the next step's fed column
+        drafts, Q = torch.cat(ds, dim=1), torch.cat(qs, dim=1)
         rnd.tokens.scatter_(1, rnd.positions[:, :gamma], drafts)
         P, hidden = target.probs(rnd.idx, rnd.tokens.gather(1, rnd.fed_positions), positions, positions, visible,
                                  paired=True)
         target.keep_features(rnd.idx, positions, hidden, paired=True)
         n_acc, next_token = _decide(verifier, rnd, P, Q, drafts, u_accept, u_residual)
         _commit_tokens(rnd.idx, rnd.full, rnd.n, n_acc, next_token, rnd.tokens, tokens, committed)
-        tally.observe_prefix(None if rnd.full else rnd.idx, rnd.positions[:, :gamma], rnd.n_drafts, n_acc)
-        tally.add_calls(None if rnd.full else rnd.idx, target=1, draft=gamma)
+        tally.observe_prefix(None if rnd.full else rnd.idx, rnd.positions, rnd.n_drafts, n_acc)
     tally.flush()
+    tally.add_calls(None, target=tally.rounds, draft=gamma * tally.rounds)  # a round: one verify, gamma head calls
     return tokens[:, :num_tokens], tally
 
 
@@ -341,6 +356,7 @@ class _TreePlan:
         self.positions = torch.arange(num_positions, device=device)
         self.chunk = max(4, min(32, 256 // max(1, sample_ids.shape[0])))
         self.chunks: list[torch.Tensor] = []  # [B, positions, chunk, width, 3] float64
+        self._blank: tuple[torch.Tensor, torch.Tensor] | None = None  # blank_nodes' template
 
     STREAMS = ("draft", "accept", "residual")
 
@@ -363,6 +379,18 @@ class _TreePlan:
             slab = slab[idx]
         per_node = slab[_rows_column(idx.shape[0], idx.device), n[:, None] + self.offset[None], self.rank]
         return per_node[:, :, 0], per_node[:, :-1, 1], per_node[:, 0, 2]
+
+    def blank_nodes(self, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A round's node tokens (0) and drafted flags (the root's only) ``[rows, N+2]``, the spare column last (see
+        :meth:`draw_children`); for the whole batch, copies of a pair made once (one op each)."""
+        if rows == self.sample_ids.shape[0] and self._blank is not None:
+            return self._blank[0].clone(), self._blank[1].clone()
+        tokens = torch.zeros(rows, self.tree.num_nodes + 2, dtype=torch.int64, device=self.rank.device)
+        valid = torch.zeros(rows, self.tree.num_nodes + 2, dtype=torch.bool, device=self.rank.device)
+        valid[:, 0] = True
+        if rows == self.sample_ids.shape[0]:
+            self._blank = tokens.clone(), valid.clone()
+        return tokens, valid
 
     def masks(self, n_rows: torch.Tensor, top: int, max_len: int, window: int) -> tuple[torch.Tensor, ...]:
         """:func:`_round_masks` of cache rows at committed lengths ``n_rows`` (the largest ``top``) over the round's
@@ -466,7 +494,7 @@ def _tree(params: Speculative, pair: ModelPair, labels: torch.Tensor, sample_ids
     tally = RoundTally(batch, depth, num_tokens, device)
     tally.add_calls(None, target=1)
     depth_steps = torch.arange(depth, device=device)
-    node_depth = index.depths[1:, None] == depth_steps[None] + 1  # [N, depth]: node v sits at depth t + 1
+    node_depth = index.depths[:, None] == depth_steps[None] + 1  # [N+1, depth]: node v sits at depth t + 1 (root: none)
     all_rows = torch.arange(batch, device=device)
     for it in range(num_tokens):
         counts = committed.tolist()  # the round's one host sync
@@ -474,8 +502,8 @@ def _tree(params: Speculative, pair: ModelPair, labels: torch.Tensor, sample_ids
         if not active:
             break
         full = len(active) == batch  # every row takes part: the batch's own tensors, updated in place
-        if full:
-            idx, n, row_tokens = all_rows, committed.clone(), tokens
+        if full:  # committed is replaced, never written, by a round (the tally keeps n): no copy
+            idx, n, row_tokens = all_rows, committed, tokens
         else:
             idx = torch.tensor(active, device=device)
             n, row_tokens = committed[idx], tokens[idx]
@@ -484,14 +512,12 @@ def _tree(params: Speculative, pair: ModelPair, labels: torch.Tensor, sample_ids
 
         # 1-2. CATCH UP, then one head call per depth over that depth's internal nodes. Slots, positions and the
         # mask of the round's calls are built once, for every cache row (cond rows, then uncond).
-        node_tokens = torch.zeros(r, nodes + 1, dtype=torch.int64, device=device)
-        node_valid = torch.zeros(r, nodes + 1, dtype=torch.bool, device=device)
-        node_valid[:, 0] = True
+        node_tokens, node_valid = plan.blank_nodes(r)
         top = max(counts[b] for b in active)
         slots, node_positions, visible, head_visible, *catch_up = plan.masks(head.both(n), top, target.cache.max_len,
                                                                              depth + 1)
-        q, predicted = _catch_up(head, target, idx, row_tokens, *catch_up)
-        qs, predicted = [q[:, None]], predicted[:, None]  # per depth: the laws [r, L, V], the predictions [rows, L, D]
+        q, predicted, caught_up = _catch_up(head, target, idx, row_tokens, *catch_up)
+        qs = [q]  # per depth: the laws [r, L, V]; predicted: the last depth's predictions [rows, L, D]
         plan.draw_children(0, qs[0], u_draft, node_tokens, node_valid)
         for t in range(1, depth):
             level, parents_at, _ = plan.levels[t]
@@ -504,7 +530,7 @@ def _tree(params: Speculative, pair: ModelPair, labels: torch.Tensor, sample_ids
         Q = torch.cat(qs, dim=1)  # [r, I, V]: the internal nodes depth by depth, in order (tree_levels)
 
         # 3-4. VERIFY the whole tree in one target call, DECIDE depth by depth.
-        fed = torch.cat([row_tokens.gather(1, (n - 1)[:, None]), node_tokens[:, 1:]], dim=1)
+        fed = torch.cat([caught_up[:, -1:], node_tokens[:, 1:]], dim=1)  # the root: token n - 1
         P, hidden = target.probs(idx, fed, node_positions, slots, visible, paired=True)
         if top + depth < num_tokens:  # every node has room in the image
             verifiable = node_valid
@@ -513,41 +539,38 @@ def _tree(params: Speculative, pair: ModelPair, labels: torch.Tensor, sample_ids
         out = verify(P, Q, node_tokens, verifiable, u_accept, u_residual)
 
         # 5. COMMIT: accepted node at depth t + 1 -> image token n + t, sequence position n + t + 1.
-        n_acc = out.n_accepted
-        accepted = depth_steps[None] < n_acc[:, None]
-        new_n = _commit_tree(target, idx, n, out, node_tokens, hidden, row_tokens, accepted)
+        new_n = _commit_tree(target, idx, n, out, node_tokens, hidden, row_tokens)
         if full:
-            committed.copy_(new_n)
+            committed = new_n
         else:
             tokens[idx] = row_tokens
-            committed[idx] = new_n
-        drafted = verifiable[:, 1:]
-        tally.observe(None if full else idx, n[:, None] + depth_steps, (drafted[:, :, None] & node_depth[None]).any(1),
-                      accepted, drafted_count=drafted.sum(1))
+            committed = committed.index_put((idx,), new_n)  # a new tensor: an earlier round's n stays as the tally kept it
+        tally.observe_tree(None if full else idx, n, verifiable, out.n_accepted, node_depth)
     tally.flush()
     tally.add_calls(None, target=tally.rounds, draft=depth * tally.rounds)  # a round: one verify, depth head calls
     return tokens[:, :num_tokens], tally
 
 
 def _commit_tree(target: TargetStream, idx: torch.Tensor, n: torch.Tensor, out, node_tokens: torch.Tensor,
-                 hidden: torch.Tensor, row_tokens: torch.Tensor, accepted: torch.Tensor) -> torch.Tensor:
+                 hidden: torch.Tensor, row_tokens: torch.Tensor) -> torch.Tensor:
     """The accepted path's tokens and the correction / bonus into ``row_tokens``, its K/V and hidden states to their
     sequence positions (:func:`_commit_tree_torch`; one kernel call on a CPU); the rows' new committed lengths."""
     kernels = cpu_rounds.bookkeeping(hidden.device)
     if kernels is not None:
-        new_n = kernels.tree_commit(target.keys.transpose(-3, -2), target.values.transpose(-3, -2), target.features,
+        new_n = kernels.tree_commit(*target.stored, target.features,
                                     row_tokens, target.cache_rows(idx), n, out.n_accepted, out.path, out.next_token,
                                     node_tokens, hidden)
         if new_n is not None:
             return new_n
-    return _commit_tree_torch(target, idx, n, out, node_tokens, hidden, row_tokens, accepted)
+    return _commit_tree_torch(target, idx, n, out, node_tokens, hidden, row_tokens)
 
 
 def _commit_tree_torch(target: TargetStream, idx: torch.Tensor, n: torch.Tensor, out, node_tokens: torch.Tensor,
-                       hidden: torch.Tensor, row_tokens: torch.Tensor, accepted: torch.Tensor) -> torch.Tensor:
+                       hidden: torch.Tensor, row_tokens: torch.Tensor) -> torch.Tensor:
     """:func:`_commit_tree` by torch's operations: accepted node at depth t + 1 -> image token n + t, sequence
     position n + t + 1 (a rejected depth's token goes to the scratch token n + depth, its hidden state to n + t + 1)."""
-    depth = accepted.shape[1]
+    depth = out.path.shape[1]
+    accepted = torch.arange(depth, device=n.device) < out.n_accepted[:, None]
     dest = n[:, None] + 1 + torch.arange(depth, device=n.device)
     row_tokens.scatter_(1, torch.where(accepted, dest - 1, n[:, None] + depth), node_tokens.gather(1, out.path))
     target.keep_features(idx, target.both(n)[:, None], hidden[:, :1], paired=True)

@@ -245,6 +245,7 @@ class _Round:
     tokens: torch.Tensor  # the rows' token buffer (a copy unless full)
     positions: torch.Tensor  # [r, gamma + 1]: image-token index of each draft = sequence position fed in verify
     fed_positions: torch.Tensor  # positions - 1: image-token index of the token fed at each of them
+    top: int  # the rows' largest committed length (the largest of positions is top + gamma), on the host
 
 
 @functools.lru_cache(maxsize=16)
@@ -262,6 +263,7 @@ def _next_round(committed: torch.Tensor, num_tokens: int, gamma: int, labels: to
     lengths = [min(g, gamma) for g in room if g >= 0]
     if not lengths:
         return None
+    top = num_tokens - 1 - min(g for g in room if g >= 0)
     # g_b = min(gamma, N - 1 - n_b), negative once a row is done; while every row drafts gamma, a
     # cached constant (read-only) instead of two ops.
     n_drafts = (_filled(gamma, len(room), committed.device) if min(room) >= gamma else
@@ -271,13 +273,13 @@ def _next_round(committed: torch.Tensor, num_tokens: int, gamma: int, labels: to
         planned = None if kernels is None else kernels.chain_plan(committed, gamma, uniforms.slab(step))
         if planned is not None and planned[0] is not None:  # one call, the same values
             positions, fed_positions, u_draft, u_accept, u_residual = planned
-            rnd = _Round(all_rows, True, committed, n_drafts, lengths, labels, tokens, positions, fed_positions)
+            rnd = _Round(all_rows, True, committed, n_drafts, lengths, labels, tokens, positions, fed_positions, top)
             return rnd, (u_draft, u_accept, u_residual)
-        rnd = _Round(all_rows, True, committed, n_drafts, lengths, labels, tokens, committed[:, None] + steps, None)
+        rnd = _Round(all_rows, True, committed, n_drafts, lengths, labels, tokens, committed[:, None] + steps, None, top)
     else:
         idx = torch.nonzero(n_drafts >= 0).squeeze(1)
         n = committed[idx]
-        rnd = _Round(idx, False, n, n_drafts[idx], lengths, labels[idx], tokens[idx], n[:, None] + steps, None)
+        rnd = _Round(idx, False, n, n_drafts[idx], lengths, labels[idx], tokens[idx], n[:, None] + steps, None, top)
     rnd.fed_positions = rnd.positions - 1
     u = uniforms.round(step, rnd.idx, rnd.positions[:, :gamma])  # [r, gamma, (draft, accept, residual)]
     return rnd, (u[:, :, 0], u[:, :, 1], u[:, 0, 2])
@@ -428,7 +430,7 @@ def _speculative(verifier: Verifier, params: Speculative, pair: ModelPair, label
         P = _target_probs(target_stream, rnd, drafts, gamma)
         n_acc, next_token = _decide(verifier, rnd, P, Q, drafts, u_accept, u_residual)
         _commit(rnd, n_acc, next_token, tokens, committed, target_stream, draft_stream)
-        tally.observe_prefix(None if rnd.full else rnd.idx, rnd.positions[:, :gamma], rnd.n_drafts, n_acc)
+        tally.observe_prefix(None if rnd.full else rnd.idx, rnd.positions, rnd.n_drafts, n_acc)  # slot gamma: never drafted
     tally.flush()
     tally.add_calls(None, target=tally.rounds, draft=tally.drafted)  # one verify call per round, one draft call per draft
     return tokens[:, :num_tokens], tally
