@@ -106,9 +106,9 @@ class RoundTally:
     the prefix up to its last passing slot, CSpD's windows any subset: all are masks here.
 
     Counters are moved to the host once, in :meth:`to_stats`. Rounds in which every row of the
-    batch takes part (the common case) are kept aside and folded in at the end, counters and
-    timeline alike: a prefix round as one small stacked tensor (one op), a round given as masks by
-    reference (no op).
+    batch takes part (the common case) are kept aside by reference (no op in the round) and folded
+    in at the end, counters and timeline alike, all rounds of a kind at once: prefix rounds by their
+    counts, rounds given as masks, tree rounds by their drafted nodes and accepted depths.
     """
 
     def __init__(self, batch: int, gamma: int, num_positions: int, device: torch.device | str = "cpu") -> None:
