@@ -278,3 +278,45 @@ def test_the_switch_turns_the_kernels_off(extension, monkeypatch):
     assert cpu_rounds.decide("sd", rules.RuleParams(), P, Q, drafts, u_accept, u_residual) is None
     assert torch.equal(cpu_rounds.sample_categorical(P[:, 0], u_residual), rng.sample_categorical(P[:, 0], u_residual))
     assert not calls
+
+
+def test_bound_draws_give_the_wrappers_tokens_through_the_kernel(extension, monkeypatch):
+    """bound_draw (the loops' draws, the kernel looked up once): the wrappers' tokens for width-17 laws, flat and as
+    a column, by the kernel; laws of another width by the unbound path; with the kernels off, the wrapper itself."""
+    calls = []
+    real = extension.sample_categorical
+    monkeypatch.setattr(extension, "sample_categorical", lambda *args: calls.append(1) or real(*args))
+    generator = torch.Generator().manual_seed(6)
+    laws = cpu_rounds._test_laws(generator, (5, 17))
+    u = torch.rand(5, dtype=torch.float64, generator=generator)
+    flat, column = cpu_rounds.bound_draw(17, torch.device("cpu")), cpu_rounds.bound_draw(17, torch.device("cpu"), True)
+    assert torch.equal(flat(laws, u), rng.sample_categorical(laws, u)) and len(calls) == 1
+    assert torch.equal(column(laws, u[:, None]), rng.sample_categorical_keepdim(laws, u[:, None])) and len(calls) == 2
+    wide = cpu_rounds._test_laws(generator, (5, 40))
+    assert torch.equal(flat(wide, u), rng.sample_categorical(wide, u))  # checked for 17 entries only: unbound
+    monkeypatch.setattr(cpu_rounds, "ENABLED", False)
+    assert cpu_rounds.bound_draw(17, torch.device("cpu")) is cpu_rounds.sample_categorical
+
+
+@pytest.mark.parametrize("method", ["sd", "cool_sd", "block"])
+def test_the_draft_loop_decides_and_draws_in_the_kernels(extension, monkeypatch, method):
+    """The draft GPT's loop (5 samples, gamma 4, CFG 1.5, seed 3): every round decided and every draw made by the
+    kernels, bound once per run; the same tokens with the kernels off."""
+    from specray.methods.discrete.loop import generate_tokens
+    from specray.models.discrete_ar import load_pair
+
+    pair = load_pair("digits-gpt-target", "digits-gpt-draft", "cpu")
+    name = cpu_rounds.ROUND_KERNELS[method]
+    decided, drawn = [], []
+    real_round, real_draw = getattr(extension, name), extension.sample_categorical
+    monkeypatch.setattr(extension, name, lambda *args: decided.append(real_round(*args)[0]) or real_round(*args))
+    monkeypatch.setattr(extension, "sample_categorical", lambda *args: drawn.append(1) or real_draw(*args))
+    ids = torch.arange(5) + 11
+    params = {"gamma": 4, "cfg_scale": 1.5, **({"delta": 2.0} if method == "cool_sd" else {})}
+    tokens, stats = generate_tokens(method, params, pair, ids % 10, ids, 3)
+    rounds = max(s.num_spec_steps for s in stats)
+    assert len(decided) >= rounds and all(d is not None for d in decided)  # a round: one call per group of rows
+    assert len(drawn) >= sum(s.num_draft_tokens for s in stats) / 5  # every draft step's draw for the batch
+    monkeypatch.setattr(cpu_rounds, "ENABLED", False)
+    decided.clear(), drawn.clear()
+    assert torch.equal(generate_tokens(method, params, pair, ids % 10, ids, 3)[0], tokens) and not decided and not drawn

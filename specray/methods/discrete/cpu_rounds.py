@@ -161,6 +161,24 @@ def sample_categorical_keepdim(probs: torch.Tensor, u: torch.Tensor) -> torch.Te
     return rng.sample_categorical_keepdim(probs, u) if out is None else out
 
 
+def bound_draw(width: int, device: torch.device, keepdim: bool = False) -> Callable[[torch.Tensor, torch.Tensor],
+                                                                                   torch.Tensor]:
+    """:func:`sample_categorical` (``keepdim``: :func:`sample_categorical_keepdim`) with the kernel looked up once, for
+    a loop whose laws have ``width`` entries on ``device`` (a run keeps its thread count): the same tokens, fewer steps
+    a draw. Laws of another width, and uniforms of other shapes, take the unbound path."""
+    unbound = sample_categorical_keepdim if keepdim else sample_categorical
+    fast = kernel("sample_categorical", width) if ENABLED and device.type == "cpu" else None
+    if fast is None:
+        return unbound
+
+    def draw(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+        served = probs.shape[-1] == width and (u.dim() == 2 and u.shape[1] == 1 if keepdim else u.dim() == 1)
+        out = fast(probs, u) if served else None
+        return unbound(probs, u) if out is None else out
+
+    return draw
+
+
 def round_arguments(rule: str, params, gamma: int) -> tuple | None:
     """What the round kernel of ``rule`` takes after the round's tensors, for a round of ``gamma`` drafts under the
     rule's :class:`~specray.methods.discrete.rules.RuleParams`; None where it does not serve them."""
@@ -183,8 +201,23 @@ def decide(rule: str, params, P: torch.Tensor, Q: torch.Tensor, drafts: torch.Te
            u_residual: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
     """``(n_accepted, next_token, accepted_mask)`` of the rules' :func:`verify` by the rule's round kernel, or None
     where it does not serve the round (then the caller runs torch's operations)."""
+    decide_round = round_kernel(rule, params, P, drafts.shape[1])
+    return None if decide_round is None else decide_round(P, Q, drafts, u_accept, u_residual)
+
+
+def round_kernel(rule: str, params, P: torch.Tensor, gamma: int) -> Callable | None:
+    """:func:`decide` for rounds of ``gamma`` drafts over laws like ``P`` (their width, on a CPU), the kernel and the
+    rule's arguments looked up once (a run keeps its thread count): ``(P, Q, drafts, u_accept, u_residual) ->``
+    decide's value; None where no kernel serves such rounds."""
     name = ROUND_KERNELS.get(rule)
     fast = _fast(name, P) if name is not None else None
-    extra = round_arguments(rule, params, drafts.shape[1]) if fast is not None else None
-    out = None if extra is None else fast(P, Q, drafts, u_accept, u_residual, *extra)
-    return None if out is None or out[0] is None else out
+    extra = round_arguments(rule, params, gamma) if fast is not None else None
+    if extra is None:
+        return None
+
+    def decide_round(P: torch.Tensor, Q: torch.Tensor, drafts: torch.Tensor, u_accept: torch.Tensor,
+                     u_residual: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
+        out = fast(P, Q, drafts, u_accept, u_residual, *extra)
+        return None if out is None or out[0] is None else out
+
+    return decide_round

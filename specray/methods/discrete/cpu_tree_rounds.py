@@ -159,10 +159,26 @@ def decide_tree(rule: str, extra: tuple | None, index, P: torch.Tensor, Q: torch
                 u_residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """``(n_accepted, path, next_token)`` of :func:`~specray.methods.discrete.tree_rules.verify_tree` by the rule's
     tree kernel (``extra`` from :func:`tree_round_arguments`), or None where it does not serve the round."""
+    decide_round = tree_round_kernel(rule, extra, index, P)
+    return None if decide_round is None else decide_round(P, Q, tokens, valid, u_accept, u_residual)
+
+
+def tree_round_kernel(rule: str, extra: tuple | None, index, P: torch.Tensor) -> Callable | None:
+    """:func:`decide_tree` for rounds over laws like ``P`` (their width, on a CPU), the kernel and the tree's tables
+    looked up once (a run keeps its thread count): ``(P, Q, tokens, valid, u_accept, u_residual) ->`` decide_tree's
+    value; None where no kernel serves such rounds."""
     name = TREE_ROUND_KERNELS.get(rule)
     fast = cpu_rounds._fast(name, P, _CHECKS) if name is not None and extra is not None else None
-    out = None if fast is None else fast(P, Q, tokens, valid, u_accept, u_residual, *tree_tables(index), *extra)
-    return None if out is None or out[0] is None else out
+    if fast is None:
+        return None
+    arguments = (*tree_tables(index), *extra)
+
+    def decide_round(P: torch.Tensor, Q: torch.Tensor, tokens: torch.Tensor, valid: torch.Tensor,
+                     u_accept: torch.Tensor, u_residual: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
+        out = fast(P, Q, tokens, valid, u_accept, u_residual, *arguments)
+        return None if out is None or out[0] is None else out
+
+    return decide_round
 
 
 def draw_children(q: torch.Tensor, u: torch.Tensor, node_tokens: torch.Tensor, node_valid: torch.Tensor,

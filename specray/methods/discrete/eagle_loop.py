@@ -264,6 +264,7 @@ def _chain(method: Method, params: Speculative, pair: ModelPair, labels: torch.T
     steps = torch.arange(gamma + 1, device=device)
     path = tree_index(StaticTree.chain(gamma), device)  # node i at depth i: slot and position n + i
     on_cpu = device.type == "cpu"
+    draw_column = cpu_rounds.bound_draw(target_model.config.vocab_size, device, keepdim=True)
     for it in range(num_tokens):
         planned = _next_round(committed, num_tokens, gamma, labels, tokens, all_rows, steps, uniforms, it)
         if planned is None:
@@ -285,7 +286,7 @@ def _chain(method: Method, params: Speculative, pair: ModelPair, labels: torch.T
                 at = step_positions[i - 1]
                 q, predicted = head.probs(rnd.idx, predicted, ds[-1], at, at, step_visible[i - 1], paired=True)
             qs.append(q)
-            ds.append(cpu_rounds.sample_categorical_keepdim(q[:, 0], u_step))  # [r, 1]: the next step's fed column
+            ds.append(draw_column(q[:, 0], u_step))  # [r, 1]: the next step's fed column
         drafts, Q = torch.cat(ds, dim=1), torch.cat(qs, dim=1)
         rnd.tokens.scatter_(1, rnd.positions[:, :gamma], drafts)
         P, hidden = target.probs(rnd.idx, rnd.tokens.gather(1, rnd.fed_positions), positions, positions, visible,

@@ -49,7 +49,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -217,10 +217,11 @@ def _target_only(pair: ModelPair, sampling: Sampling, labels: torch.Tensor, samp
     # All of the run's uniforms in one call: the same keys as rng.categorical(.., position=t) per step.
     u = rng.uniform(seed, sample_ids[:, None], "target", position=torch.arange(num_tokens, device=device)[None, :])
     fed = labels[:, None]
+    draw = cpu_rounds.bound_draw(target.config.vocab_size, device)
     for t in range(num_tokens):
         positions = torch.full((batch, 1), t, dtype=torch.int64, device=device)
         probs = stream.probs(idx, fed, positions, all_rows=True, prefix=t == 0)[:, 0]
-        tokens[:, t] = cpu_rounds.sample_categorical(probs, u[:, t])
+        tokens[:, t] = draw(probs, u[:, t])
         fed = tokens[:, t : t + 1]
     tally = RoundTally(batch, 0, num_tokens)
     tally.add_calls(None, target=num_tokens)
@@ -286,11 +287,13 @@ def _next_round(committed: torch.Tensor, num_tokens: int, gamma: int, labels: to
 
 
 def _draft(stream: GuidedModel, rnd: _Round, u_draft: torch.Tensor, first_round: bool, gamma: int,
-           vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """1. DRAFT: ``g_b`` tokens per row (rows with ``g_b <= i`` sit out step i); drafts and their laws Q."""
+           vocab: int, draws: tuple[Callable, Callable]) -> tuple[torch.Tensor, torch.Tensor]:
+    """1. DRAFT: ``g_b`` tokens per row (rows with ``g_b <= i`` sit out step i); drafts and their laws Q. ``draws``:
+    :func:`~specray.methods.discrete.cpu_rounds.bound_draw`'s flat and column draws for the draft's laws."""
     g_min = min(rnd.lengths)
+    draw, draw_column = draws
     if g_min == gamma:
-        return _draft_every_row(stream, rnd, u_draft, first_round, gamma)
+        return _draft_every_row(stream, rnd, u_draft, first_round, gamma, draw_column)
     r = rnd.idx.shape[0]
     device = rnd.idx.device
     drafts = torch.zeros(r, gamma, dtype=torch.int64, device=device)
@@ -312,15 +315,15 @@ def _draft(stream: GuidedModel, rnd: _Round, u_draft: torch.Tensor, first_round:
                          all_rows=rnd.full and every, prefix=first_round and i == 0)[:, -1]
         if every:
             Q[:, i] = q
-            drafts[:, i] = cpu_rounds.sample_categorical(q, u_draft[:, i])
+            drafts[:, i] = draw(q, u_draft[:, i])
         else:
             Q[live, i] = q
-            drafts[live, i] = cpu_rounds.sample_categorical(q, u_draft[live, i])
+            drafts[live, i] = draw(q, u_draft[live, i])
     return drafts, Q
 
 
 def _draft_every_row(stream: GuidedModel, rnd: _Round, u_draft: torch.Tensor, first_round: bool,
-                     gamma: int) -> tuple[torch.Tensor, torch.Tensor]:
+                     gamma: int, draw_column: Callable) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`_draft` for the common round, every row drafting ``gamma`` tokens: the same calls and
     draws, with the per-step columns split off once and the results stacked once (fewer ops)."""
     positions = rnd.fed_positions[:, :2]  # step 0 catches up sequence positions [n - 1, n] (see _draft)
@@ -335,7 +338,7 @@ def _draft_every_row(stream: GuidedModel, rnd: _Round, u_draft: torch.Tensor, fi
             positions, fed = later_positions[i - 1], ds[-1]
         q = stream.probs(rnd.idx, fed, positions, all_rows=rnd.full, prefix=first_round and i == 0)[:, -1]
         qs.append(q)
-        ds.append(cpu_rounds.sample_categorical_keepdim(q, u))  # [r, 1]: the next step's fed column
+        ds.append(draw_column(q, u))  # [r, 1]: the next step's fed column
     return torch.cat(ds, dim=1), torch.stack(qs, dim=1)
 
 
@@ -413,6 +416,8 @@ def _speculative(verifier: Verifier, params: Speculative, pair: ModelPair, label
     uniforms = RoundUniforms(seed, sample_ids, num_tokens + gamma + 1)
     all_rows = torch.arange(batch, device=device)
     steps = torch.arange(gamma + 1, device=device)
+    vocab = target.config.vocab_size
+    draws = cpu_rounds.bound_draw(vocab, device), cpu_rounds.bound_draw(vocab, device, keepdim=True)
 
     # 0. PREFILL: the first image token from the target, keyed exactly like target_only's.
     zero = torch.zeros(batch, 1, dtype=torch.int64, device=device)
@@ -426,7 +431,7 @@ def _speculative(verifier: Verifier, params: Speculative, pair: ModelPair, label
         if planned is None:
             break
         rnd, (u_draft, u_accept, u_residual) = planned
-        drafts, Q = _draft(draft_stream, rnd, u_draft, it == 0, gamma, target.config.vocab_size)
+        drafts, Q = _draft(draft_stream, rnd, u_draft, it == 0, gamma, vocab, draws)
         P = _target_probs(target_stream, rnd, drafts, gamma)
         n_acc, next_token = _decide(verifier, rnd, P, Q, drafts, u_accept, u_residual)
         _commit(rnd, n_acc, next_token, tokens, committed, target_stream, draft_stream)
