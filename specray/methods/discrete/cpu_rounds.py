@@ -201,16 +201,16 @@ def decide(rule: str, params, P: torch.Tensor, Q: torch.Tensor, drafts: torch.Te
            u_residual: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
     """``(n_accepted, next_token, accepted_mask)`` of the rules' :func:`verify` by the rule's round kernel, or None
     where it does not serve the round (then the caller runs torch's operations)."""
-    decide_round = round_kernel(rule, params, P, drafts.shape[1])
+    decide_round = round_kernel(rule, params, P.shape[-1], drafts.shape[1], P.device)
     return None if decide_round is None else decide_round(P, Q, drafts, u_accept, u_residual)
 
 
-def round_kernel(rule: str, params, P: torch.Tensor, gamma: int) -> Callable | None:
-    """:func:`decide` for rounds of ``gamma`` drafts over laws like ``P`` (their width, on a CPU), the kernel and the
-    rule's arguments looked up once (a run keeps its thread count): ``(P, Q, drafts, u_accept, u_residual) ->``
-    decide's value; None where no kernel serves such rounds."""
+def round_kernel(rule: str, params, width: int, gamma: int, device: torch.device) -> Callable | None:
+    """:func:`decide` for rounds of ``gamma`` drafts over laws of ``width`` entries on ``device`` (a CPU), the kernel
+    and the rule's arguments looked up once (a run keeps its thread count): ``(P, Q, drafts, u_accept, u_residual)
+    ->`` decide's value; None where no kernel serves such rounds."""
     name = ROUND_KERNELS.get(rule)
-    fast = _fast(name, P) if name is not None else None
+    fast = kernel(name, width) if name is not None and device.type == "cpu" else None
     extra = round_arguments(rule, params, gamma) if fast is not None else None
     if extra is None:
         return None

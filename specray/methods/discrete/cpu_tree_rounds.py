@@ -159,16 +159,16 @@ def decide_tree(rule: str, extra: tuple | None, index, P: torch.Tensor, Q: torch
                 u_residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """``(n_accepted, path, next_token)`` of :func:`~specray.methods.discrete.tree_rules.verify_tree` by the rule's
     tree kernel (``extra`` from :func:`tree_round_arguments`), or None where it does not serve the round."""
-    decide_round = tree_round_kernel(rule, extra, index, P)
+    decide_round = tree_round_kernel(rule, extra, index, P.shape[-1], P.device)
     return None if decide_round is None else decide_round(P, Q, tokens, valid, u_accept, u_residual)
 
 
-def tree_round_kernel(rule: str, extra: tuple | None, index, P: torch.Tensor) -> Callable | None:
-    """:func:`decide_tree` for rounds over laws like ``P`` (their width, on a CPU), the kernel and the tree's tables
-    looked up once (a run keeps its thread count): ``(P, Q, tokens, valid, u_accept, u_residual) ->`` decide_tree's
-    value; None where no kernel serves such rounds."""
+def tree_round_kernel(rule: str, extra: tuple | None, index, width: int, device: torch.device) -> Callable | None:
+    """:func:`decide_tree` for rounds over laws of ``width`` entries on ``device`` (a CPU), the kernel and the tree's
+    tables looked up once (a run keeps its thread count): ``(P, Q, tokens, valid, u_accept, u_residual) ->``
+    decide_tree's value; None where no kernel serves such rounds."""
     name = TREE_ROUND_KERNELS.get(rule)
-    fast = cpu_rounds._fast(name, P, _CHECKS) if name is not None and extra is not None else None
+    fast = kernel(name, width) if name is not None and extra is not None and device.type == "cpu" else None
     if fast is None:
         return None
     arguments = (*tree_tables(index), *extra)

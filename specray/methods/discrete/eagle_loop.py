@@ -68,8 +68,10 @@ class _Streams:
         self.guided = sampling.uses_uncond
         self.rows = 2 * batch if self.guided else batch
         self.calls = 0
-        self._rows_of: torch.Tensor | None = None  # cache_rows' last samples, their rows, and those as a column
-        self._rows = self._rows_column = None
+        self._rows_of: torch.Tensor | None = None  # cache_rows' last samples, and their rows
+        self._rows = None
+        self._column_of: torch.Tensor | None = None  # cache_rows_column's last samples, and their rows' column
+        self._column = None
 
     def cache_rows(self, idx: torch.Tensor) -> torch.Tensor:
         """The cache rows of the samples ``idx`` (made once per ``idx`` object: a round asks several times)."""
@@ -77,17 +79,13 @@ class _Streams:
             return idx
         if idx is not self._rows_of:
             self._rows_of, self._rows = idx, torch.cat([idx, idx + self.batch])
-            self._rows_column = None
         return self._rows
 
     def cache_rows_column(self, idx: torch.Tensor) -> torch.Tensor:
         """``cache_rows(idx)[:, None]``, an index's row column (made once per ``idx`` object, as cache_rows)."""
-        rows = self.cache_rows(idx)
-        if not self.guided:
-            return rows[:, None]
-        if self._rows_column is None:
-            self._rows_column = rows[:, None]
-        return self._rows_column
+        if idx is not self._column_of:
+            self._column_of, self._column = idx, self.cache_rows(idx)[:, None]
+        return self._column
 
     def both(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` for the cond rows, repeated for the uncond rows."""
@@ -357,7 +355,7 @@ class _TreePlan:
         self.positions = torch.arange(num_positions, device=device)
         self.chunk = max(4, min(32, 256 // max(1, sample_ids.shape[0])))
         self.chunks: list[torch.Tensor] = []  # [B, positions, chunk, width, 3] float64
-        self._blank: tuple[torch.Tensor, torch.Tensor] | None = None  # blank_nodes' template
+        self._blank = self._new_nodes(sample_ids.shape[0])  # blank_nodes' template for the whole batch
 
     STREAMS = ("draft", "accept", "residual")
 
@@ -384,13 +382,14 @@ class _TreePlan:
     def blank_nodes(self, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
         """A round's node tokens (0) and drafted flags (the root's only) ``[rows, N+2]``, the spare column last (see
         :meth:`draw_children`); for the whole batch, copies of a pair made once (one op each)."""
-        if rows == self.sample_ids.shape[0] and self._blank is not None:
-            return self._blank[0].clone(), self._blank[1].clone()
+        if rows != self._blank[0].shape[0]:
+            return self._new_nodes(rows)
+        return self._blank[0].clone(), self._blank[1].clone()
+
+    def _new_nodes(self, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
         tokens = torch.zeros(rows, self.tree.num_nodes + 2, dtype=torch.int64, device=self.rank.device)
         valid = torch.zeros(rows, self.tree.num_nodes + 2, dtype=torch.bool, device=self.rank.device)
         valid[:, 0] = True
-        if rows == self.sample_ids.shape[0]:
-            self._blank = tokens.clone(), valid.clone()
         return tokens, valid
 
     def masks(self, n_rows: torch.Tensor, top: int, max_len: int, window: int) -> tuple[torch.Tensor, ...]:

@@ -261,10 +261,11 @@ def _next_round(committed: torch.Tensor, num_tokens: int, gamma: int, labels: to
     """Round ``step``'s rows and where they stand, and their uniforms: draft and accept ``[r, gamma]``, residual
     ``[r]`` (:class:`RoundUniforms`); None once every row is done."""
     room = [num_tokens - 1 - c for c in committed.tolist()]  # the round's one host sync
-    lengths = [min(g, gamma) for g in room if g >= 0]
-    if not lengths:
+    active_room = [g for g in room if g >= 0]
+    if not active_room:
         return None
-    top = num_tokens - 1 - min(g for g in room if g >= 0)
+    lengths = [min(g, gamma) for g in active_room]
+    top = num_tokens - 1 - min(active_room)
     # g_b = min(gamma, N - 1 - n_b), negative once a row is done; while every row drafts gamma, a
     # cached constant (read-only) instead of two ops.
     n_drafts = (_filled(gamma, len(room), committed.device) if min(room) >= gamma else

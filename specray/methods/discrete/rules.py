@@ -499,14 +499,13 @@ def rule_params_for_pair(params: method_params.Speculative, pair) -> RuleParams:
 def verifier_for(params: method_params.Speculative, pair) -> Verifier:
     """The built-in rules' factory: ``verify(P, Q, drafts, u_accept, u_residual)`` for one run on ``pair``."""
     rule_params = rule_params_for_pair(params, pair)
-    kernels: dict[tuple, Callable | None] = {}  # per (width, gamma, device type): the round kernel, looked up once
+    # The round kernel per (width, gamma, device), looked up once (a short last round has its own gamma).
+    kernel_for = functools.cache(functools.partial(cpu_rounds.round_kernel, params.rule, rule_params))
 
     def verify_round(P, Q, drafts, u_accept, u_residual) -> VerifyOutput:
         # One C++ call where it serves (on a CPU), with the same values as the operations below.
-        shape = (P.shape[-1], drafts.shape[1], P.device.type)
-        if shape not in kernels:
-            kernels[shape] = cpu_rounds.round_kernel(params.rule, rule_params, P, drafts.shape[1])
-        fast = None if kernels[shape] is None else kernels[shape](P, Q, drafts, u_accept, u_residual)
+        decide_round = kernel_for(P.shape[-1], drafts.shape[1], P.device)
+        fast = None if decide_round is None else decide_round(P, Q, drafts, u_accept, u_residual)
         if fast is not None:
             return VerifyOutput(*fast)
         # rule_params were validated above; the loops build the shapes verify expects.

@@ -277,13 +277,11 @@ def tree_verifier(rule: str, index: TreeIndex, params: RuleParams) -> Callable[.
     validate_params(rule, params)
     extra = (cpu_tree_rounds.tree_round_arguments(rule, params, index) if index.node_ids.device.type == "cpu"
              else None)
-    kernels: dict[tuple, Callable | None] = {}  # per (width, device type): the tree kernel, looked up once
+    kernel_for = functools.cache(functools.partial(cpu_tree_rounds.tree_round_kernel, rule, extra, index))  # per width
 
     def verify_round(P, Q, tokens, valid, u_accept, u_residual) -> TreeVerifyOutput:
-        shape = (P.shape[-1], P.device.type)
-        if shape not in kernels:
-            kernels[shape] = cpu_tree_rounds.tree_round_kernel(rule, extra, index, P)
-        fast = None if kernels[shape] is None else kernels[shape](P, Q, tokens, valid, u_accept, u_residual)
+        decide_round = kernel_for(P.shape[-1], P.device)
+        fast = None if decide_round is None else decide_round(P, Q, tokens, valid, u_accept, u_residual)
         if fast is not None:
             return TreeVerifyOutput(*fast)
         # The loop builds the shapes _validate checks.
