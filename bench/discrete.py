@@ -22,11 +22,13 @@ sampling with CFG 1.5) it reports:
   states (prefill 1 token, chain verify gamma+1, tree verify: the tree's nodes + 1, with its tree
   mask), ``head`` an EAGLE-head call (the round's catch-up over depth + 1 positions, then one token per
   chain step, or one tree level's internal nodes). Every shape used is timed in the same run (at four
-  positions spread over the image: attention's cost grows with the filled cache on a CPU; a
-  speculative GPT shape with its rows a few positions apart, since rows at different positions write
-  their K/V by index and level rows through cheaper slices), a few shapes before each arm's batch, so
-  that the timings see the load the runs see (calls on fewer rows at a grid of row counts, linear in
-  between), and predicted time = sum over calls of the cost of the call's shape;
+  positions spread over the image: attention's cost grows with the filled cache on a CPU; each
+  position's call warmed by 0.05 s of its own calls, then timed back to back with itself, as a loop's
+  calls follow each other on one cache; a speculative GPT shape with its rows a few positions apart,
+  since rows at different positions write their K/V by index and level rows through cheaper slices),
+  a few shapes before each arm's batch, so that the timings see the load the runs see (calls on fewer
+  rows at a grid of row counts, linear in between), and predicted time = sum over calls of the cost of
+  the call's shape;
 - ``eff`` = speedup / pred (1.0: no more loop overhead than target_only's own loop);
 - ``ovh`` = time / predicted time of the arm's own calls (its loop overhead factor);
 - ``run-eff``: the efficiency with each call priced at what it took in the timed runs themselves
@@ -57,9 +59,11 @@ waits for a core on a shared machine (valid for single-threaded CPU runs only). 
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import sys
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -238,14 +242,20 @@ def shapes_to_time(counts: list[CallCounts], batch: int) -> list[str]:
 
 # Positions each call shape is timed at (:func:`_call_of_shape`); a shape's cost is its timing / SPREAD.
 SPREAD = 4
+# Per position of a shape and timing: untimed calls filling WARM_SECONDS, then timed calls filling PART_SECONDS.
+# After other work a call's cost falls over some ten calls of its own (bench/warmup.py): 0.05 s is about ten of a
+# batch-32 target call.
+WARM_SECONDS, PART_SECONDS = 0.05, 0.01
 
 
 def _call_of_shape(role: str, n: int, rows: int, batch: int, pairs: dict[str, ModelPair], gamma: int,
-                   gen: torch.Generator) -> Any:
-    """A zero-argument function making :data:`SPREAD` calls of shape (role, n tokens per row, rows) as the
-    loops make it, one at each of :data:`SPREAD` positions spread evenly over the image: on a CPU a GPT
+                   gen: torch.Generator) -> list[Callable[[], Any]]:
+    """:data:`SPREAD` zero-argument functions, each making one call of shape (role, n tokens per row, rows) as
+    the loops make it, at one of :data:`SPREAD` positions spread evenly over the image: on a CPU a GPT
     call attends over the cache's filled prefix only (:func:`~specray.models.discrete_ar.attention_span`),
-    so its cost grows with its position, and the loops make their calls all over the image.
+    so its cost grows with its position, and the loops make their calls all over the image. The timer
+    warms and times each position's call back to back with itself (:class:`~bench.pricing.InterleavedTimer`
+    parts), as a loop's calls follow each other on one cache.
 
     The cache length is the loop's: target_only's for 1-token target calls (all but one prefill call
     per speculative batch), the speculative loop's (room for a padded verify) otherwise, each position with
@@ -272,9 +282,12 @@ def _call_of_shape(role: str, n: int, rows: int, batch: int, pairs: dict[str, Mo
         # every slot its cache holds, so a call at position 8 on a cache grown for position 56 read 4x the slots
         # the loop's call there does (at batch 32 target_only's calls were priced 1.33x their in-run time, 1.18x with a
         # cache per position; 1.03x since each timing also follows a call of its own kind, InterleavedTimer.step).
-        streams = [GuidedModel(model, batch, sampling, max_len) for _ in spread]
+        # Each stream's call is warmed and timed as a part of its own: timed in turn with the other positions' in one
+        # block, every call followed another cache's and the batch-32 target_only shape cost 1.34x its positions'
+        # calls back to back (3245dc5, 2026-12-05; the speculative shapes 1.11-1.13x: bench/warmup.py).
         full = rows == batch
-        return lambda: [stream.forward(idx, tok, pos, all_rows=full, prefix=False) for stream, pos in zip(streams, spread)]
+        return [functools.partial(GuidedModel(model, batch, sampling, max_len).forward, idx, tok, pos, all_rows=full,
+                                  prefix=False) for pos in spread]
     head_pair = pairs[HEAD]
     max_len = head_pair.target.max_seq_len + n + 1
     role_stream = (TargetStream(head_pair.target, batch, sampling, max_len) if role == "target_f"
@@ -283,9 +296,9 @@ def _call_of_shape(role: str, n: int, rows: int, batch: int, pairs: dict[str, Mo
     slots = role_stream.cache.max_len
     visible = [torch.arange(attention_span(pos, slots), device=device) <= pos[:, :, None] for pos in spread]
     if role == "target_f":
-        return lambda: [role_stream.probs(idx, tok, pos, pos, vis) for pos, vis in zip(spread, visible)]
+        return [functools.partial(role_stream.probs, idx, tok, pos, pos, vis) for pos, vis in zip(spread, visible)]
     features = torch.randn(role_stream.cache_rows(idx).shape[0], n, head_pair.target.config.dim, generator=gen).to(device)
-    return lambda: [role_stream.probs(idx, features, tok, pos, pos, vis) for pos, vis in zip(spread, visible)]
+    return [functools.partial(role_stream.probs, idx, features, tok, pos, pos, vis) for pos, vis in zip(spread, visible)]
 
 
 def cost_timer(pairs: dict[str, ModelPair], batch: int, gamma: int, shapes: list[str]) -> InterleavedTimer:
@@ -296,7 +309,7 @@ def cost_timer(pairs: dict[str, ModelPair], batch: int, gamma: int, shapes: list
     by index, as in the tail rounds)."""
     gen = torch.Generator().manual_seed(0)
     calls = {key: _call_of_shape(*parse_shape(key), batch, pairs, gamma, gen) for key in shapes}
-    return InterleavedTimer(calls, pairs[DRAFT].device)
+    return InterleavedTimer(calls, pairs[DRAFT].device, seconds=PART_SECONDS, warm_seconds=WARM_SECONDS)
 
 
 def bench_batch(pairs: dict[str, ModelPair], batch: int, samples: int, reps: int, gamma: int, seed: int,
@@ -325,9 +338,9 @@ def bench_batch(pairs: dict[str, ModelPair], batch: int, samples: int, reps: int
         return run_arm(run_batch, *by_name[name], [unit], seed)[0]
 
     turns = reps * len(work) * (len(arms) + len(replays))
-    per_turn = max(1, -(-cost_timings * len(shapes) // turns))  # each shape timed about cost_timings times
     names = with_replays(list(by_name)) if replay else list(by_name)
-    runs, outside = run_in_turns(names, work, reps, run, lambda: timer.step(per_turn), MODEL_CALLS if split else None)
+    runs, outside = run_in_turns(names, work, reps, run, timer.spread(cost_timings * len(shapes), turns),
+                                 MODEL_CALLS if split else None)
     times = {name: per_repetition(r, len(work)) for name, r in runs.items()}
     loop_times = {name: per_repetition(r, len(work)) for name, r in outside.items()}
     costs = {clock: {key: s / SPREAD for key, s in by_key.items()} for clock, by_key in timer.costs().items()}
@@ -422,7 +435,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--batches-large", type=int, default=None,
                     help="number of batches at batch sizes > 1 (default 2, quick 1)")
     ap.add_argument("--reps", type=int, default=None, help="timed repetitions (default 7, quick 3)")
-    ap.add_argument("--cost-timings", type=int, default=None, help="timings per call shape (default 24, quick 8)")
+    ap.add_argument("--cost-timings", type=int, default=None, help="timings per call shape (default 12, quick 6)")
     ap.add_argument("--quick", action="store_true", help="fewer samples and repetitions")
     ap.add_argument("--no-replay", dest="replay", action="store_false",
                     help="skip the replays of each arm's calls in sequence (pred-seq, eff-seq; about half the time)")
@@ -431,7 +444,7 @@ def main(argv: list[str] | None = None) -> None:
     samples_b1 = args.samples_b1 or (4 if args.quick else 12)
     batches_large = args.batches_large or (1 if args.quick else 2)
     reps = args.reps or (3 if args.quick else 7)
-    cost_timings = args.cost_timings or (8 if args.quick else 24)
+    cost_timings = args.cost_timings or (6 if args.quick else 12)
     device, clock, report = start_report(args, target=TARGET, draft=DRAFT, head=HEAD, batches=[])
     pairs = {DRAFT: load_pair(TARGET, DRAFT, device), HEAD: load_pair(TARGET, HEAD, device)}
     print(f"# specray discrete bench: {TARGET} vs {DRAFT} and {HEAD} on {device}, {report['machine']} "

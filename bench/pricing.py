@@ -17,7 +17,7 @@ import json
 import platform
 import statistics
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -108,32 +108,58 @@ class InterleavedTimer:
     """Per-call costs of several calls, timed a few at a time between other work (:meth:`step`),
     cycling through the calls: on a shared machine each call's timings then sample the same
     stretches of drift as the work around them. Each timing is of as many back-to-back calls as
-    fill about ``seconds`` (at least one, calibrated on the first calls after a warm-up), after one
-    untimed call: a cost is that of a call back to back with its own kind, as the definition of the
-    prices says. (Without it a call taking ``seconds`` or more was timed alone, first after the other
-    work: at batch 32 a target call then took 1.2x what it takes after one of its kind.)"""
+    fill about ``seconds`` (at least one, calibrated on the first calls after a warm-up), after
+    untimed calls of the same kind filling about ``warm_seconds`` (at least one): a cost is that of a
+    call back to back with its own kind, as the definition of the prices says. (Without it a call
+    taking ``seconds`` or more was timed alone, first after the other work: at batch 32 a target call
+    then took 1.2x what it takes after one of its kind.)
 
-    def __init__(self, calls: dict[str, Callable[[], object]], device: torch.device, seconds: float = 0.02,
+    A key may name several *parts* (a sequence of calls, each with state of its own, such as a cache per
+    position): each part is warmed and timed back to back with itself, one part after the other, and the
+    key's cost is the sum of its parts' per-call costs. Timed in turn inside one block instead, every call
+    would follow another part's and find its memory cold (on the AVX-512 development machine a GPT call at
+    batch 32 costs 1.2-1.3x as much right after another cache's calls, and its cost falls back over some
+    ten calls of its own: ``bench/warmup.py``)."""
+
+    def __init__(self, calls: dict[str, Callable[[], object] | Sequence[Callable[[], object]]],
+                 device: torch.device, seconds: float = 0.02, warm_seconds: float = 0.0,
                  grad_mode: Callable[[], contextlib.AbstractContextManager] = torch.inference_mode) -> None:
         self.calls, self.device, self.grad_mode = calls, device, grad_mode  # grad_mode: as the loop runs its calls
-        self.repeat: dict[str, int] = {}
+        self.parts = {key: list(call) if isinstance(call, Sequence) else [call] for key, call in calls.items()}
+        self.repeat: dict[str, list[int]] = {}  # per key, per part: calls per timing
+        self.warmup: dict[str, list[int]] = {}  # per key, per part: untimed calls before a timing
         with grad_mode():
-            for key, call in calls.items():
-                once = time_call(call, device, calls=1, timings=1, warmup=1)["wall"]
-                self.repeat[key] = max(1, round(seconds / max(once, 1e-6)))
+            for key, parts in self.parts.items():
+                once = [time_call(part, device, calls=1, timings=1, warmup=1)["wall"] for part in parts]
+                self.repeat[key] = [max(1, round(seconds / max(t, 1e-6))) for t in once]
+                self.warmup[key] = [max(1, round(warm_seconds / max(t, 1e-6))) for t in once]
         self.times: dict[str, dict[str, list[float]]] = {clock: {key: [] for key in calls} for clock in CLOCK_NAMES}
         self._keys = list(calls)
         self._next = 0
 
     def step(self, count: int = 1) -> None:
-        """Time the next ``count`` calls of the cycle once each."""
+        """Time the next ``count`` calls of the cycle once each (every part of a call)."""
         for _ in range(count):
             key = self._keys[self._next % len(self._keys)]
             self._next += 1
+            total = dict.fromkeys(CLOCK_NAMES, 0.0)
             with self.grad_mode():
-                timing = time_call(self.calls[key], self.device, self.repeat[key], timings=1, warmup=1)
-            for clock, t in timing.items():
+                for part, repeat, warmup in zip(self.parts[key], self.repeat[key], self.warmup[key]):
+                    for clock, t in time_call(part, self.device, repeat, timings=1, warmup=warmup).items():
+                        total[clock] += t
+            for clock, t in total.items():
                 self.times[clock][key].append(t)
+
+    def spread(self, timings: int, turns: int) -> Callable[[], None]:
+        """A ``between`` for :func:`run_in_turns`: ``timings`` calls of the cycle in all, spread evenly over its
+        ``turns`` turns (a turn times none where there are more turns than timings)."""
+        turn = 0
+
+        def between() -> None:
+            nonlocal turn
+            self.step(timings * (turn + 1) // turns - timings * turn // turns)
+            turn += 1
+        return between
 
     def costs(self) -> dict[str, dict[str, float]]:
         """Seconds per call ``{clock: {key: s}}``: the median of each call's timings."""

@@ -46,6 +46,44 @@ def test_arms_take_turns_batch_by_batch_in_a_rotating_order():
     assert per_repetition(elapsed["a"], batches=2) == [{"wall": 2.0, "cpu": 4.0}] * 2
 
 
+def test_a_timer_warms_and_times_each_part_back_to_back_and_prices_the_key_at_their_sum(monkeypatch):
+    now = [0.0]  # a clock that moves only when a call runs: each call costs exactly its own seconds
+    monkeypatch.setattr(pricing, "stamp", lambda: (now[0], now[0]))
+    made: list[str] = []
+
+    def call(name: str, seconds: float):
+        def run() -> None:
+            made.append(name)
+            now[0] += seconds
+        return run
+
+    timer = pricing.InterleavedTimer({"parts": [call("a", 0.001), call("b", 0.004)], "whole": call("c", 0.002)},
+                                     torch.device("cpu"), seconds=0.008, warm_seconds=0.004,
+                                     grad_mode=contextlib.nullcontext)
+    made.clear()  # the calibration's calls
+    timer.step(2)
+    # each part: untimed calls filling warm_seconds, then timed calls filling seconds, one part after the other
+    assert made == ["a"] * (4 + 8) + ["b"] * (1 + 2) + ["c"] * (2 + 4)
+    assert timer.costs()["cpu"] == {"parts": pytest.approx(0.005), "whole": pytest.approx(0.002)}
+    # without warm_seconds a single untimed call goes before each timing, as the benches that do not ask for one had
+    made.clear()
+    pricing.InterleavedTimer({"whole": call("c", 0.002)}, torch.device("cpu"), seconds=0.008,
+                             grad_mode=contextlib.nullcontext).step()
+    assert made == ["c"] * 2 + ["c"] * (1 + 4)  # calibration (a warm-up call and one timed), then the timing
+
+
+def test_a_timer_spreads_its_timings_evenly_over_the_turns(monkeypatch):
+    timer = pricing.InterleavedTimer({"a": lambda: None}, torch.device("cpu"), grad_mode=contextlib.nullcontext)
+    steps: list[int] = []
+    monkeypatch.setattr(timer, "step", steps.append)
+    for timings, turns, expected in ((5, 4, [1, 1, 1, 2]), (2, 4, [0, 1, 0, 1]), (8, 2, [4, 4])):
+        steps.clear()
+        between = timer.spread(timings, turns)
+        for _ in range(turns):
+            between()
+        assert steps == expected and sum(steps) == timings
+
+
 class _Head:
     def call(self) -> int:
         return 1
