@@ -284,7 +284,8 @@ def _call_of_shape(role: str, n: int, rows: int, batch: int, pairs: dict[str, Mo
         # cache per position; 1.03x since each timing also follows a call of its own kind, InterleavedTimer.step).
         # Each stream's call is warmed and timed as a part of its own: timed in turn with the other positions' in one
         # block, every call followed another cache's and the batch-32 target_only shape cost 1.34x its positions'
-        # calls back to back (3245dc5, 2026-12-05; the speculative shapes 1.11-1.13x: bench/warmup.py).
+        # calls back to back (4.82 against 3.60 ms at 3245dc5, 2026-12-05; the speculative shapes 1.11-1.13x), for
+        # the reason bench/warmup.py measures.
         full = rows == batch
         return [functools.partial(GuidedModel(model, batch, sampling, max_len).forward, idx, tok, pos, all_rows=full,
                                   prefix=False) for pos in spread]

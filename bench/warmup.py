@@ -4,8 +4,8 @@ A family bench prices each call shape back to back with its own kind (``bench/pr
 speculative loop switches between its draft and target calls every round. On some machines a call costs
 more for a while after other work, well past what refilling the CPU's caches would take. This script
 measures that on the discrete family's GPT calls at batch 32, position 56 (``digits-gpt-target``,
-``digits-gpt-draft``, CFG 1.5, one torch thread, process CPU time): each of its own cache, warmed with
-``--warm`` calls, then, after each kind of other work, ``--calls`` calls of it timed one by one:
+``digits-gpt-draft``, CFG 1.5, one torch thread, process CPU time): the call, on a cache of its own, is
+warmed with ``--warm`` calls, then, after each kind of other work, ``--calls`` calls of it are timed one by one:
 
 - ``another cache``: the same model's calls on another cache of its own (what pricing four positions in
   one timed block did: every call followed another position's);
