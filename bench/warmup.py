@@ -61,6 +61,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--position", type=int, default=56)
     args = ap.parse_args(argv)
+    for name in ("calls", "reps", "warm", "batch"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name} must be at least 1, got {getattr(args, name)}")
     torch.set_num_threads(1)
     keep_freed_memory()
     pair = load_pair("digits-gpt-target", "digits-gpt-draft", "cpu")
