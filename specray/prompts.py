@@ -253,11 +253,11 @@ def _records(source: str, fmt: str, storage_options: Mapping[str, Any] | None) -
     if fmt == "hf":
         return _hf_records(source)
     if fmt == "parquet":
-        import pyarrow.parquet as pq
+        from specray.runtime.store import read_parquet
 
         with _open(source, storage_options) as handle:
             try:
-                return pq.read_table(handle).to_pylist()
+                return read_parquet(handle).to_pylist()
             except Exception as exc:  # noqa: BLE001 - pyarrow raises several kinds for a damaged file
                 raise PromptSetError("source", f"{source!r} is not a readable Parquet file: {exc}") from None
     with _open(source, storage_options) as handle:

@@ -31,6 +31,7 @@ from specray.runtime.images import encode_png
 from specray.runtime.plan import ShardPlan, shard_relpath
 from specray.runtime.store import SAMPLE_SCHEMA, TEMP_MARKER, TEMP_TAG_PREFIX
 from specray.spec import SpecError, load_job
+from tests.test_parquet_reads import refuse_dataset_reads
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -362,20 +363,21 @@ def test_images_identical_across_reruns_actor_counts_and_shard_sizes(reference_r
         assert images_by_key(Path(job["output"])) == expected, what
 
 
-def test_compare_samples_finds_identical_runs_and_a_changed_image(reference_run, tmp_path):
+def test_compare_samples_finds_identical_runs_and_a_changed_image(reference_run, tmp_path, monkeypatch):
     import pyarrow as pa
     from click.testing import CliRunner
 
     from specray.cli import specray
 
     run(fake_job(tmp_path / "other_layout", actors=1, shard_batches=3))
+    refuse_dataset_reads(monkeypatch)  # the command must exit cleanly (specray.runtime.store.read_parquet)
     same = CliRunner().invoke(specray, ["compare", "--samples", str(reference_run[0]), str(tmp_path / "other_layout")])
     assert same.exit_code == 0 and same.output.rstrip().endswith("identical"), same.output
     assert "fake_sd: 24 samples, images differ: 0, acceptance statistics differ: 0" in same.output
     changed = tmp_path / "changed"
     shutil.copytree(reference_run[0], changed)
     shard = sorted((changed / "samples" / "fake_sd").glob("*.parquet"))[0]
-    table = pq.read_table(shard)
+    table = pq.ParquetFile(shard).read()
     images = table.column("image").to_pylist()
     images[0] = images[1]
     pq.write_table(table.set_column(table.schema.get_field_index("image"), "image",

@@ -20,7 +20,7 @@ import math
 from typing import Any
 
 from specray.eval.report import _fmt, markdown_table
-from specray.runtime.store import RunStore
+from specray.runtime.store import RunStore, read_parquet
 
 METRICS = (
     # name, path into an arm entry, interval path (or None)
@@ -132,8 +132,6 @@ SAMPLE_DETERMINED = (
 
 def _sample_digests(run: str, storage_options: dict[str, Any] | None) -> dict[str, dict[int, tuple[str, str]]]:
     """arm -> sample_id -> (sha256 of the image bytes, sha256 of the sample-determined columns)."""
-    import pyarrow.parquet as pq
-
     from specray.eval.shards import read_manifest
 
     store = RunStore(run, storage_options)
@@ -141,7 +139,7 @@ def _sample_digests(run: str, storage_options: dict[str, Any] | None) -> dict[st
     digests: dict[str, dict[int, tuple[str, str]]] = {}
     for entry in manifest.shards:
         with store.fs.open(store.full_path(entry.path), "rb") as handle:
-            table = pq.read_table(handle, columns=["sample_id", "image", *SAMPLE_DETERMINED])
+            table = read_parquet(handle, columns=["sample_id", "image", *SAMPLE_DETERMINED])
         for row in table.to_pylist():
             image = hashlib.sha256(row.pop("image")["bytes"] or b"").hexdigest()
             sample_id = row.pop("sample_id")

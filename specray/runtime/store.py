@@ -157,6 +157,18 @@ class ShardIdentity:
             return None
 
 
+def read_parquet(source: Any, columns: list[str] | None = None) -> pa.Table:
+    """A whole Parquet file (a path or an open binary file) as a table, read in the calling thread.
+
+    Not ``pq.read_table``: its dataset scanner can leave the last reference to a Python file object with one of
+    pyarrow's I/O threads after the call returns; if the process then exits, that thread takes the GIL while the
+    interpreter finalizes and the process aborts ("terminate called without an active exception", exit status
+    134): pyarrow 26.0.1, 33 of 200 runs of a script reading twelve shards through ``open()`` and exiting, none of
+    450 with ``ParquetFile(...).read`` or ``iter_batches``.
+    """
+    return pq.ParquetFile(source).read(columns=columns)
+
+
 def table_to_parquet_bytes(table: pa.Table, identity: ShardIdentity | None = None) -> bytes:
     table = with_huggingface_metadata(table)
     if identity is not None:
@@ -226,7 +238,7 @@ class RunStore:
         return CommittedFile(relpath, rows, hashlib.sha256(data).hexdigest(), len(data))
 
     def read_table(self, relpath: str) -> pa.Table:
-        return pq.read_table(io.BytesIO(self.read_bytes(relpath)))
+        return read_parquet(io.BytesIO(self.read_bytes(relpath)))
 
     # -- writing --------------------------------------------------------
 
