@@ -31,6 +31,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.pricing import time_call  # noqa: E402
 from specray.methods.discrete.loop import GuidedModel, generation_context  # noqa: E402
 from specray.methods.discrete.params import SD  # noqa: E402
 from specray.models.discrete_ar import load_pair  # noqa: E402
@@ -48,9 +49,8 @@ def gpt_call(model: torch.nn.Module, batch: int, position: int, max_len: int) ->
 
 
 def timed(call: Callable[[], object]) -> float:
-    start = time.process_time()
-    call()
-    return time.process_time() - start
+    """Process CPU time of one call (the benches' clock on a CPU)."""
+    return time_call(call, torch.device("cpu"), calls=1, timings=1, warmup=0)["cpu"]
 
 
 def main(argv: list[str] | None = None) -> None:
