@@ -30,13 +30,21 @@ exact with sequential windows; default sampling) it reports:
 - ``ovh`` = time / predicted time of the arm's own calls (its loop overhead factor);
 - ``loop``: the loop's own time (outside the model calls, measured in the counting pass) per
   batch-level target call, in ms (a round: a target step or a window's verification), and
-  ``loop%``: its share of the arm's time.
+  ``loop%``: its share of the arm's time;
+- ``pred-seq``: the speedup predicted by the calls as the arm makes them: each batch's calls, recorded
+  in a second untimed pass (:class:`~bench.pricing.CallRecording`: the caches made anew by the
+  replay's own ``new_cache`` calls, their lengths set back where the loop's truncation changed them),
+  made again in order with nothing between them, taking turns with the runs; target_only's replay
+  time over the arm's. A call there costs what it costs after the calls before it, as in the run;
+- ``eff-seq``: the efficiency by the replays, what the loop's own work costs and nothing else: the
+  median share of an arm's time its replay takes (replay time / run time, batch by batch; the two run
+  next to each other) over target_only's (``--no-replay`` skips the replays, about half the time).
 
 Both clocks are measured: wall time, and process CPU time, which leaves out the time the process
 waits for a core on a shared machine (valid for single-threaded CPU runs only). The main columns use
 ``--clock`` (auto: cpu on a CPU device, wall on CUDA); the last two columns give the other clock.
 
-    python bench/continuous.py [--quick] [--json out.json] [--device cpu] [--gamma 4] [--samples 32]
+    python bench/continuous.py [--quick] [--no-replay] [--json out.json] [--device cpu] [--gamma 4] [--samples 32]
 """
 
 from __future__ import annotations
@@ -56,25 +64,32 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.pricing import (  # noqa: E402
     CLOCK_NAMES,
+    CallRecording,
     InterleavedTimer,
     add_common_args,
     batches_of,
     finish_report,
+    optional,
     paired_speedup,
     parse_shape,
     per_repetition,
     predicted_time,
+    replay_name,
+    replay_time,
     run_arm,
     run_in_turns,
+    sequence_efficiency,
+    sequence_speedup,
     shape_key,
     since,
     stamp,
     start_report,
     sync,
+    with_replays,
 )
 from specray.methods.continuous import loop  # noqa: E402
 from specray.methods.continuous.params import TargetOnly  # noqa: E402
-from specray.models.continuous_ar import ContinuousAR, load_pair  # noqa: E402
+from specray.models.continuous_ar import ContentCache, ContinuousAR, load_pair  # noqa: E402
 from specray.models.continuous_schedule import DiffusionSchedule  # noqa: E402
 from specray.models.pair import ModelPair  # noqa: E402
 
@@ -117,6 +132,8 @@ class ClockResult:
     predicted_speedup: float  # from the call counts and this clock's per-call costs
     efficiency: float  # speedup / predicted_speedup
     overhead: float  # median time / predicted time of the arm's own calls
+    sequence_predicted: float | None  # predicted speedup from the replays of the calls in sequence (None: --no-replay)
+    sequence_efficiency: float | None  # the replays' share of the runs' time over target_only's
     reps_s: list[float] = field(default_factory=list)  # per repetition (all batches)
     runs_s: list[float] = field(default_factory=list)  # per repetition and batch
 
@@ -197,6 +214,26 @@ def count_calls(method: str, params: dict[str, Any], pair: ModelPair,
     return CallCounts(dict(sorted(counts.items())), batch=work[0][0].shape[0]), stats, loop_s, total
 
 
+# The calls a replay makes again: the transformer's entry points and the loop's head chain (a module function).
+MODEL_CALLS: dict[Any, tuple[str, ...]] = {ContinuousAR: ("new_cache", "append_tokens", "query"), loop: ("head_chain",)}
+
+
+def cache_length(obj: Any) -> torch.Tensor | None:
+    """What a call's cost depends on besides its arguments: a content cache's lengths (the loop truncates them)."""
+    return obj.length if isinstance(obj, ContentCache) else None
+
+
+def record_calls(method: str, params: dict[str, Any], pair: ModelPair, work: list, seed: int) -> list[CallRecording]:
+    """An untimed pass recording each batch's calls in order (:class:`~bench.pricing.CallRecording`), apart from
+    the counting pass so that the recording's own work (copying the calls' inputs) stays out of its loop times."""
+    recordings = []
+    for unit in work:
+        with CallRecording(MODEL_CALLS, cache_length, results=(ContentCache,)) as recording:
+            run_arm(loop.run_batch, method, params, pair, [unit], seed)
+        recordings.append(recording)
+    return recordings
+
+
 def _call_of_shape(key: str, pair: ModelPair, use_cfg: bool, gen: torch.Generator) -> Any:
     """A zero-argument function making one call of shape ``key`` as the loops make it (random inputs of
     the call's shape: a call's cost does not depend on the values)."""
@@ -251,7 +288,7 @@ def resample_numbers(stats: list) -> tuple[float, int]:
 
 
 def bench_batch(pair: ModelPair, batch: int, samples: int, reps: int, gamma: int, seed: int,
-                cost_timings: int) -> tuple[list[ArmResult], dict[str, dict[str, float]]]:
+                cost_timings: int, replay: bool = True) -> tuple[list[ArmResult], dict[str, dict[str, float]]]:
     work = batches_of(samples, batch)
     arms = [(name, method, params if method == "target_only" else {**params, "gamma": gamma})
             for name, method, params in ARMS]
@@ -261,12 +298,21 @@ def bench_batch(pair: ModelPair, batch: int, samples: int, reps: int, gamma: int
     use_cfg = TargetOnly().cfg != 1.0  # the arms sample with the defaults
 
     timer = cost_timer(pair, shapes, use_cfg)
-    # Every shape is timed cost_timings times or more, a few shapes before each arm's run.
-    per_run = -(-len(shapes) * cost_timings // (reps * len(work) * len(arms)))
     by_name = {name: (method, params) for name, method, params in arms}
-    runs, _ = run_in_turns(  # per repetition and batch
-        list(by_name), work, reps, lambda name, unit: run_arm(loop.run_batch, *by_name[name], pair, [unit], seed)[0],
-        lambda: timer.step(per_run))
+    # Each arm's calls replayed in sequence take turns with the runs, as one more "arm" each.
+    recorded = {name: record_calls(method, params, pair, work, seed) for name, method, params in arms} if replay else {}
+    replays = {replay_name(name): name for name in recorded}
+    unit_index = {id(unit): i for i, unit in enumerate(work)}
+    names = with_replays(list(by_name)) if replay else list(by_name)
+
+    def run(name: str, unit: Any) -> dict[str, float]:
+        if name in replays:
+            return replay_time(recorded[replays[name]][unit_index[id(unit)]], pair.device, torch.no_grad)
+        return run_arm(loop.run_batch, *by_name[name], pair, [unit], seed)[0]
+
+    # Every shape is timed cost_timings times or more, a few shapes before each run.
+    per_run = -(-len(shapes) * cost_timings // (reps * len(work) * len(names)))
+    runs, _ = run_in_turns(names, work, reps, run, lambda: timer.step(per_run))  # per repetition and batch
     costs = timer.costs()
 
     base_name = arms[0][0]
@@ -287,6 +333,8 @@ def bench_batch(pair: ModelPair, batch: int, samples: int, reps: int, gamma: int
             clocks[clock] = ClockResult(
                 s_per_sample=statistics.median(rep_totals) / samples, speedup=speedup, predicted_speedup=predicted,
                 efficiency=speedup / predicted, overhead=statistics.median(rep_totals) / pred_time,
+                sequence_predicted=sequence_speedup(runs, base_name, name, clock) if replay else None,
+                sequence_efficiency=sequence_efficiency(runs, base_name, name, clock) if replay else None,
                 reps_s=rep_totals, runs_s=mine,
             )
         tries, caps = resample_numbers(stats)
@@ -324,7 +372,7 @@ def print_table(batch: int, samples: int, reps: int, costs: dict[str, dict[str, 
           f"{step_costs(costs[clock], batch, gamma, pair.target.config.diffusion_sample_steps, slots)}")
     header = (f"{'method':<17} {'alpha':>6} {'len':>5} {'tgt':>5} {'draft':>6} {'tries':>5} {'caps':>4} "
               f"{'ms/sample':>10} {'speedup':>8} {'pred':>6} {'eff':>5} {'ovh':>5} {'loop':>6} {'loop%':>5} "
-              f"| {'speedup':>8} {'eff':>5} ({other})")
+              f"{'pred-seq':>8} {'eff-seq':>7} | {'speedup':>8} {'eff':>5} ({other})")
     print(header)
     print("-" * len(header))
     per_batch = samples / batch
@@ -337,7 +385,9 @@ def print_table(batch: int, samples: int, reps: int, costs: dict[str, dict[str, 
               f"{r.mean_resample_tries:>5.2f} {r.resample_cap_hits:>4} {m.s_per_sample * 1e3:>10.2f} "
               f"{m.speedup:>8.2f} {m.predicted_speedup:>6.2f} {m.efficiency:>5.2f} {m.overhead:>5.2f} "
               f"{r.loop_s[clock] / rounds * 1e3:>6.2f} {100 * r.loop_s[clock] / r.total_s[clock]:>5.1f} "
+              f"{optional(m.sequence_predicted, '8.2f')} {optional(m.sequence_efficiency, '7.2f')} "
               f"| {o.speedup:>8.2f} {o.efficiency:>5.2f}", flush=True)
+
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -350,6 +400,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--samples-b1", type=int, default=None, help="samples at batch 1 (default 2, quick 1)")
     ap.add_argument("--reps", type=int, default=None, help="timed repetitions (default 6, quick 3)")
     ap.add_argument("--quick", action="store_true", help="fewer samples and repetitions (a few minutes)")
+    ap.add_argument("--no-replay", dest="replay", action="store_false",
+                    help="skip the replays of each arm's calls in sequence (pred-seq, eff-seq; about half the time)")
     args = ap.parse_args(argv)
 
     samples_b1 = args.samples_b1 or (1 if args.quick else 2)
@@ -363,7 +415,7 @@ def main(argv: list[str] | None = None) -> None:
           f"torch {torch.__version__}), gamma={args.gamma}, seed={args.seed}, heap {report['heap']}")
     for batch in [int(b) for b in args.batches.split(",")]:
         samples = samples_b1 if batch == 1 else (args.samples or batch * batches_large)
-        results, costs = bench_batch(pair, batch, samples, reps, args.gamma, args.seed, cost_timings)
+        results, costs = bench_batch(pair, batch, samples, reps, args.gamma, args.seed, cost_timings, args.replay)
         print_table(batch, samples, reps, costs, results, clock, args.gamma, pair)
         report["batches"].append({"batch": batch, "samples": samples, "reps": reps, "call_costs_s": costs,
                                   "arms": [asdict(r) for r in results]})
@@ -372,7 +424,9 @@ def main(argv: list[str] | None = None) -> None:
           f"model step or verify) per batch; tries, caps: residual proposals per resampled token, cap hits; "
           f"speedup: vs target_only, median of paired runs (same batch, same rep); pred: predicted from the "
           f"calls, each priced at its own shape; eff = speedup / pred; ovh = time / predicted time; loop: the "
-          f"loop's own time (outside the calls) per target call, in ms, and loop%: its share of the time. "
+          f"loop's own time (outside the calls) per target call, in ms, and loop%: its share of the time; "
+          f"pred-seq: predicted from each arm's calls replayed in sequence with nothing between them; eff-seq: the "
+          f"replays' share of the runs' time over target_only's. "
           f"Bench took {took:.0f} s." + (f"\n# wrote {args.json}" if args.json else ""))
 
 

@@ -79,6 +79,7 @@ from bench.pricing import (  # noqa: E402
     add_common_args,
     batches_of,
     finish_report,
+    optional,
     paired_speedup,
     parse_shape,
     partial_rows_grid,
@@ -419,14 +420,11 @@ def print_table(batch: int, samples: int, reps: int, costs: dict[str, dict[str, 
         m, o = r.clocks[clock], r.clocks[other]
         print(f"{r.name:<17} {r.mean_acceptance_length:>5.2f} {alpha:>6} {tgt:>5.1f} {draft:>6.1f} {two:>5.1f} "
               f"{partial:>5.2f} {m.s_per_sample * 1e3:>10.2f} {m.speedup:>8.2f} {m.predicted_speedup:>6.2f} "
-              f"{m.efficiency:>5.2f} {m.overhead:>5.2f} {_opt(m.run_efficiency, '7.2f')} "
-              f"{_opt(m.loop_s_per_target_call and m.loop_s_per_target_call * 1e3, '6.2f')} "
-              f"{_opt(m.sequence_predicted, '8.2f')} {_opt(m.sequence_efficiency, '7.2f')} | "
+              f"{m.efficiency:>5.2f} {m.overhead:>5.2f} {optional(m.run_efficiency, '7.2f')} "
+              f"{optional(m.loop_s_per_target_call and m.loop_s_per_target_call * 1e3, '6.2f')} "
+              f"{optional(m.sequence_predicted, '8.2f')} {optional(m.sequence_efficiency, '7.2f')} | "
               f"{o.speedup:>8.2f} {o.efficiency:>5.2f}", flush=True)
 
-
-def _opt(x: float | None, fmt: str) -> str:
-    return format(x, fmt) if x is not None else format("-", ">" + fmt.split(".")[0])
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -13,13 +13,15 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import platform
 import statistics
 import time
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import Any
+from types import ModuleType
+from typing import Any, NamedTuple
 
 import torch
 
@@ -202,78 +204,144 @@ class TimeInCalls:
 
 
 class CallRecording:
-    """The model calls ``{class: method name}`` one run makes, in order, to make again with nothing between
-    them (:meth:`replay`): the time of a loop whose own work costs nothing, with every call made in the
-    sequence, on the inputs and at the cache lengths the run made it.
+    """The model calls ``{class or module: method or function name}`` one run makes, in order, to make again with
+    nothing between them (:meth:`replay`): the time of a loop whose own work costs nothing, with every call made in
+    the sequence, on the inputs and at the cache lengths the run made it.
 
     A call's cost depends on what ran before it (on a CPU the weights and caches another model's call
     evicted, which a speculative loop's draft and verify calls do to each other every round), not only on
     its shape; a replay keeps that and leaves out the loop's work. The objects of those classes made in the
     block are recorded by their constructor's arguments and made anew by each replay (their caches
-    included); objects made before it (a stateless model) are called as they are. ``state(obj)`` is the
-    tensor a call's cost depends on besides its arguments (a cache's lengths; None: nothing), set back
-    before a call where the run's loop changed it since the object's previous call (a commit's crop; one
-    copy, where the run made one or more ops).
+    included); objects made before it (a stateless model, a module) are called as they are. A call's value
+    that is an instance of ``results`` (a cache a model call makes) is the replay's own value of that call
+    wherever a later call takes it. ``state(obj)`` is the tensor a call's cost depends on besides its
+    arguments (a cache's lengths; None: nothing), of the object called and of the recorded objects it takes;
+    set back before a call where the run's loop changed it since the object's previous call (a commit's crop;
+    one copy, where the run made one or more ops).
     """
 
-    def __init__(self, methods: dict[type, str], state: Callable[[Any], torch.Tensor] | None = None) -> None:
-        self.methods, self.state = methods, state
-        # per object: (class, args, kwargs) if made in the block (in order of construction), else the object
+    def __init__(self, methods: dict[type | ModuleType, str | tuple[str, ...]],
+                 state: Callable[[Any], torch.Tensor | None] | None = None, results: tuple[type, ...] = ()) -> None:
+        # one name or several per owner
+        self.methods = {owner: (names,) if isinstance(names, str) else names for owner, names in methods.items()}
+        self.state, self.results = state or (lambda obj: None), results
+        # per object, in order of appearance: _Made (its constructor's call), _Returned (a call's value) or itself
         self.objects: list[Any] = []
-        self.calls: list[tuple[int, str, tuple, dict, torch.Tensor | None]] = []  # (object, method, args, kwargs, state)
+        # (object, name, args, kwargs, states to set back first: ((object, tensor), ...)), the objects as places
+        self.calls: list[tuple[int, str, tuple, dict, tuple[tuple[int, torch.Tensor], ...]]] = []
 
     def __enter__(self) -> CallRecording:
-        index: dict[int, int] = {}  # id(object) -> its place in self.objects (the objects live through the block)
-        last: dict[int, torch.Tensor] = {}  # id(object) -> its state after its last call
-        state = self.state or (lambda obj: torch.zeros(0))
-        # the class's own attributes (None: inherited), put back as they were on exit
-        self.originals = {cls: (vars(cls).get("__init__"), vars(cls).get(name)) for cls, name in self.methods.items()}
+        index: dict[int, int] = {}  # id(object) -> its place in self.objects
+        last: dict[int, torch.Tensor | None] = {}  # id(object) -> its state after its last call
+        self._alive: list[Any] = []  # the objects seen, kept alive through the block: their ids stay theirs
 
         def seen(obj: Any, made: Any) -> None:
             index[id(obj)] = len(self.objects)
             self.objects.append(made)
-            last[id(obj)] = state(obj).clone()
+            self._alive.append(obj)
+            last[id(obj)] = _snapshot(self.state(obj))
+
+        def record(obj: Any, name: str, call: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+            if id(obj) not in index:  # made before the block: replayed on the object itself
+                seen(obj, obj)
+            involved = [obj, *(v for v in _leaves((args, kwargs)) if id(v) in index and v is not obj)]
+            restores = []
+            for o in involved:
+                now = self.state(o)
+                if now is not None and not torch.equal(now, last[id(o)]):
+                    restores.append((index[id(o)], now.clone()))
+            self.calls.append((index[id(obj)], name, _recorded(args, index), _recorded(kwargs, index), tuple(restores)))
+            out = call(*args, **kwargs)
+            if isinstance(out, self.results) and id(out) not in index:
+                seen(out, _Returned(len(self.calls) - 1))
+            for o in involved:
+                last[id(o)] = _snapshot(self.state(o))
+            return out
 
         def constructor(cls: type, init: Callable[..., None]) -> Callable[..., None]:
             def recorded(obj: Any, *args: Any, **kwargs: Any) -> None:
                 init(obj, *args, **kwargs)
                 if type(obj) is cls:
-                    seen(obj, (cls, args, kwargs))
+                    seen(obj, _Made(cls, args, kwargs))
             return recorded
 
         def method(name: str, call: Callable[..., Any]) -> Callable[..., Any]:
             def recorded(obj: Any, *args: Any, **kwargs: Any) -> Any:
-                if id(obj) not in index:  # made before the block: replayed on the object itself
-                    seen(obj, obj)
-                now = state(obj)
-                changed = not torch.equal(now, last[id(obj)])
-                self.calls.append((index[id(obj)], name, _copied(args), _copied(kwargs), now.clone() if changed else None))
-                out = call(obj, *args, **kwargs)
-                last[id(obj)] = state(obj).clone()
-                return out
+                return record(obj, name, functools.partial(call, obj), args, kwargs)
             return recorded
 
-        for cls, name in self.methods.items():
-            cls.__init__ = constructor(cls, cls.__init__)
-            setattr(cls, name, method(name, getattr(cls, name)))
+        def function(module: ModuleType, name: str, call: Callable[..., Any]) -> Callable[..., Any]:
+            def recorded(*args: Any, **kwargs: Any) -> Any:
+                return record(module, name, call, args, kwargs)
+            return recorded
+
+        # the owners' own attributes (None: inherited), put back as they were on exit
+        self.originals = {(owner, attr): vars(owner).get(attr) for owner, names in self.methods.items()
+                          for attr in (*names, *(() if isinstance(owner, ModuleType) else ("__init__",)))}
+        for owner, names in self.methods.items():
+            for name in names:
+                if isinstance(owner, ModuleType):
+                    setattr(owner, name, function(owner, name, getattr(owner, name)))
+                else:
+                    setattr(owner, name, method(name, getattr(owner, name)))
+            if not isinstance(owner, ModuleType):
+                owner.__init__ = constructor(owner, owner.__init__)
         return self
 
     def __exit__(self, *exc: object) -> None:
-        for cls, name in self.methods.items():
-            for attr, original in zip(("__init__", name), self.originals[cls]):
-                if original is None:
-                    delattr(cls, attr)
-                else:
-                    setattr(cls, attr, original)
+        for (owner, attr), original in self.originals.items():
+            if original is None:
+                delattr(owner, attr)
+            else:
+                setattr(owner, attr, original)
+        self._alive = []
 
     def replay(self) -> None:
-        """Make the objects anew and the calls again, in order (through the classes' methods as they are now)."""
-        objects = [made[0](*made[1], **made[2]) if isinstance(made, tuple) else made for made in self.objects]
-        for i, name, args, kwargs, state in self.calls:
-            obj = objects[i]
-            if state is not None:
-                self.state(obj).copy_(state)
-            getattr(obj, name)(*args, **kwargs)
+        """Make the objects anew and the calls again, in order (through the owners' methods as they are now)."""
+        objects = [made.cls(*made.args, **made.kwargs) if isinstance(made, _Made) else made for made in self.objects]
+        returned = {made.call: place for place, made in enumerate(self.objects) if isinstance(made, _Returned)}
+        for number, (i, name, args, kwargs, restores) in enumerate(self.calls):
+            for place, state in restores:
+                self.state(objects[place]).copy_(state)
+            out = getattr(objects[i], name)(*_resolved(args, objects), **_resolved(kwargs, objects))
+            if number in returned:
+                objects[returned[number]] = out
+
+
+class _Made(NamedTuple):
+    """An object a recording saw made by its class's constructor, remade by each replay."""
+
+    cls: type
+    args: tuple
+    kwargs: dict
+
+
+class _Returned(NamedTuple):
+    """An object a recorded call returned: each replay's own value of that call stands for it."""
+
+    call: int
+
+
+class _Ref(NamedTuple):
+    """A recorded object in a call's arguments, by its place in :attr:`CallRecording.objects`."""
+
+    place: int
+
+
+def _snapshot(state: torch.Tensor | None) -> torch.Tensor | None:
+    return None if state is None else state.clone()
+
+
+def _leaves(values: Any) -> Iterable[Any]:
+    """The values inside tuples, lists and dicts (a call's arguments; as :func:`_recorded` reads them), depth first."""
+    if type(values) in (tuple, list):
+        for v in values:
+            yield from _leaves(v)
+    elif type(values) is dict:
+        for v in values.values():
+            yield from _leaves(v)
+    else:
+        yield values
 
 
 def replay_name(arm: str) -> str:
@@ -313,11 +381,34 @@ def sequence_efficiency(times: dict[str, list[dict[str, float]]], base: str, arm
     return share(arm) / share(base)
 
 
-def _copied(values: Any) -> Any:
-    """Tensors in a call's arguments cloned (the loop may write to them after the call), the rest as is."""
-    if isinstance(values, dict):
-        return {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in values.items()}
-    return tuple(v.clone() if isinstance(v, torch.Tensor) else v for v in values)
+def _recorded(values: Any, index: dict[int, int]) -> Any:
+    """A call's arguments as a replay takes them: tensors cloned (the loop may write to them after the call), the
+    recorded objects by their place (:class:`_Ref`), inside tuples, lists and dicts too; the rest as is."""
+    if isinstance(values, torch.Tensor):
+        return values.clone()
+    if id(values) in index:
+        return _Ref(index[id(values)])
+    if type(values) is dict:
+        return {k: _recorded(v, index) for k, v in values.items()}
+    if type(values) in (tuple, list):  # not a named tuple: its fields are no place for a recorded object
+        return type(values)(_recorded(v, index) for v in values)
+    return values
+
+
+def _resolved(values: Any, objects: list[Any]) -> Any:
+    """:func:`_recorded`'s arguments with each :class:`_Ref` the replay's own object."""
+    if isinstance(values, _Ref):
+        return objects[values.place]
+    if type(values) is dict:
+        return {k: _resolved(v, objects) for k, v in values.items()}
+    if type(values) in (tuple, list):
+        return type(values)(_resolved(v, objects) for v in values)
+    return values
+
+
+def optional(x: float | None, fmt: str) -> str:
+    """``x`` in ``fmt`` (e.g. ``"7.2f"``), or "-" right-aligned to its width where there is none."""
+    return format(x, fmt) if x is not None else format("-", ">" + fmt.split(".")[0])
 
 
 def split_efficiency(loop: list[float], total: list[float], base_loop: list[float], base_total: list[float]) -> float:

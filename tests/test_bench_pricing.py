@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import types
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -166,7 +167,7 @@ def test_a_recording_replays_the_calls_in_order_on_their_inputs_and_states():
         b.call(x, scale=1)  # b's state is as b's last call left it: nothing to set back
     run = _Stream.log
     assert "__init__" not in vars(_Stream) and vars(_Stream)["call"] is call  # the class as it was
-    assert [c[4] is not None for c in recording.calls] == [False, False, True, False]
+    assert [bool(c[4]) for c in recording.calls] == [False, False, True, False]
 
     _Stream.log = []
     recording.replay()
@@ -177,6 +178,54 @@ def test_a_recording_replays_the_calls_in_order_on_their_inputs_and_states():
     _Stream.log = []
     recording.replay()  # fresh objects each time: the same calls again
     assert _Stream.log == run
+
+
+class _Box:  # a cache a model call makes and returns
+    def __init__(self, rows: int) -> None:
+        self.lengths = torch.zeros(rows, dtype=torch.int64)
+
+
+class _Maker:
+    log: list = []
+
+    def make(self, rows: int) -> _Box:
+        return _Box(rows)
+
+    def fill(self, box: _Box, x: torch.Tensor) -> None:
+        _Maker.log.append(("fill", x.tolist(), box.lengths.tolist()))
+        box.lengths += 1
+
+
+def _read(pair: tuple[_Box, torch.Tensor], scale: int) -> None:  # a module function taking a box inside a tuple
+    box, x = pair
+    _Maker.log.append(("read", (x * scale).tolist(), box.lengths.tolist()))
+
+
+def test_a_recording_remakes_the_objects_calls_return_and_replays_module_functions():
+    module = types.ModuleType("loop")
+    module.read = _read
+    maker = _Maker()  # made before the block: called as it is
+    _Maker.log = []
+    with pricing.CallRecording({_Maker: ("make", "fill"), module: "read"},
+                               lambda o: o.lengths if isinstance(o, _Box) else None, results=(_Box,)) as recording:
+        box = maker.make(2)
+        x = torch.tensor([1, 2])
+        maker.fill(box, x)
+        box.lengths = torch.tensor([0, 1])  # the loop truncates: a new tensor, set back before the next call
+        module.read((box, x), scale=3)
+        x += 5
+        maker.fill(box, x)
+    run = _Maker.log
+    assert module.read is _read and vars(_Maker)["make"] is _Maker.make and "__init__" not in vars(_Maker)
+    assert [bool(c[4]) for c in recording.calls] == [False, False, True, False]
+
+    _Maker.log = []
+    recording.replay()
+    assert _Maker.log == run == [("fill", [1, 2], [0, 0]), ("read", [3, 6], [0, 1]), ("fill", [6, 7], [0, 1])]
+    assert box.lengths.tolist() == [1, 2]  # the replay filled a box of its own, not the run's
+    _Maker.log = []
+    recording.replay()
+    assert _Maker.log == run
 
 
 @contextlib.contextmanager
@@ -211,7 +260,7 @@ def test_replaying_a_speculative_batch_remakes_its_model_calls_bit_for_bit():
         discrete_bench.replay_batch(recordings[0], pair.device)
     assert sum(counts.shapes.values()) == len(run) == len(outputs) > 2 * 64 / 5
     assert all(torch.equal(r, o) for r, o in zip(run, outputs))
-    assert sum(c[4] is not None for c in recordings[0].calls) > 0  # the commits' crops were set back
+    assert sum(bool(c[4]) for c in recordings[0].calls) > 0  # the commits' crops were set back
 
 
 def test_replaying_a_diffusion_batch_remakes_its_denoiser_calls():
@@ -230,3 +279,39 @@ def test_replaying_a_diffusion_batch_remakes_its_denoiser_calls():
     assert sum(counts.shapes.values()) == len(run) == len(outputs) >= 12 / 4
     assert all(torch.equal(r, o) for r, o in zip(run, outputs))
     assert recordings[0].objects == [pair.target]  # made before the recording: called as it is
+
+
+def test_replaying_a_continuous_batch_remakes_its_calls_on_caches_of_its_own():
+    # CSpD in paper mode at batch 2: the replay makes its own content caches by its new_cache calls, sets their
+    # lengths back where the loop truncated them after a rejection, and gets every query and head chain of the run.
+    from bench import continuous as continuous_bench
+    from specray.methods.continuous import loop
+    from specray.models.continuous_ar import ContentCache, ContinuousAR, load_pair
+
+    pair = load_pair(continuous_bench.TARGET, continuous_bench.DRAFT, "cpu")
+    outputs: list[torch.Tensor] = []
+    query, head_chain = ContinuousAR.query, loop.head_chain
+
+    def logged_query(self, *args):
+        outputs.append(out := query(self, *args))
+        return out
+
+    def logged_chain(*args):
+        outputs.append((out := head_chain(*args)).x0)
+        return out
+
+    ContinuousAR.query, loop.head_chain = logged_query, logged_chain
+    try:
+        recordings = continuous_bench.record_calls("cspd", {"mode": "paper", "gamma": 4}, pair, batches_of(2, 2), 1)
+        run = outputs[:]
+        outputs.clear()
+        pricing.replay_time(recordings[0], pair.device, torch.no_grad)
+    finally:
+        ContinuousAR.query, loop.head_chain = query, head_chain
+    assert len(run) == len(outputs) > 16 / 4
+    assert all(torch.equal(r, o) for r, o in zip(run, outputs))
+    calls = recordings[0].calls
+    assert any(c[4] for c in calls)  # a truncation was set back
+    assert sum(isinstance(o, pricing._Returned) for o in recordings[0].objects) == 2  # target's and draft's cache
+    assert {c[1] for c in calls} == {"new_cache", "append_tokens", "query", "head_chain"}
+    assert not any(isinstance(o, ContentCache) for o in recordings[0].objects)
