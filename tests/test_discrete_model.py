@@ -635,3 +635,22 @@ def test_load_pair_info():
     assert torch.equal(pair.info["token_embeddings"], pair.target.tok_embeddings.weight)
     with pytest.raises(KeyError, match="unknown preset"):
         load_pair("no-such-preset", None, "cpu")
+
+
+def test_a_models_text_conditioning_is_found_once_and_names_its_kind(monkeypatch):
+    # bind_conditions asks every batch; walking the modules once per model is enough (they are fixed once built).
+    from specray.methods import common
+    from specray.models import captions
+
+    def model(condition: str) -> discrete_ar.DiscreteGPT:
+        prefix = 2 if condition == "caption" else 1
+        return discrete_ar.DiscreteGPT(discrete_ar.GPTConfig(dim=32, n_layer=1, n_head=2, text_dim=8, caption_dim=8,
+                                                             cls_token_num=prefix, condition=condition))
+
+    kinds = {condition: common.text_conditioning(model(condition)) for condition in ("class", "text", "caption")}
+    assert kinds == {"class": (False, False), "text": (False, True), "caption": (True, True)}
+
+    caption_model = model("caption")
+    assert common.text_conditioning(caption_model) == (True, True)
+    monkeypatch.setattr(captions, "caption_embedders", lambda m: pytest.fail("walked the modules again"))
+    assert common.text_conditioning(caption_model) == (True, True)
