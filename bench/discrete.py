@@ -426,7 +426,6 @@ def print_table(batch: int, samples: int, reps: int, costs: dict[str, dict[str, 
               f"{o.speedup:>8.2f} {o.efficiency:>5.2f}", flush=True)
 
 
-
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_args(ap, gamma=4)

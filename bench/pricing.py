@@ -233,7 +233,7 @@ class CallRecording:
     def __enter__(self) -> CallRecording:
         index: dict[int, int] = {}  # id(object) -> its place in self.objects
         last: dict[int, torch.Tensor | None] = {}  # id(object) -> its state after its last call
-        self._alive: list[Any] = []  # the objects seen, kept alive through the block: their ids stay theirs
+        self._alive: list[Any] = []  # the objects seen, by place, kept alive through the block: their ids stay theirs
 
         def seen(obj: Any, made: Any) -> None:
             index[id(obj)] = len(self.objects)
@@ -244,13 +244,15 @@ class CallRecording:
         def record(obj: Any, name: str, call: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
             if id(obj) not in index:  # made before the block: replayed on the object itself
                 seen(obj, obj)
-            involved = [obj, *(v for v in _leaves((args, kwargs)) if id(v) in index and v is not obj)]
+            taken: list[int] = []  # the places of the recorded objects among the arguments
+            recorded_args, recorded_kwargs = _recorded(args, index, taken), _recorded(kwargs, index, taken)
+            involved = [obj, *(self._alive[place] for place in taken if self._alive[place] is not obj)]
             restores = []
             for o in involved:
                 now = self.state(o)
                 if now is not None and not torch.equal(now, last[id(o)]):
                     restores.append((index[id(o)], now.clone()))
-            self.calls.append((index[id(obj)], name, _recorded(args, index), _recorded(kwargs, index), tuple(restores)))
+            self.calls.append((index[id(obj)], name, recorded_args, recorded_kwargs, tuple(restores)))
             out = call(*args, **kwargs)
             if isinstance(out, self.results) and id(out) not in index:
                 seen(out, _Returned(len(self.calls) - 1))
@@ -332,18 +334,6 @@ def _snapshot(state: torch.Tensor | None) -> torch.Tensor | None:
     return None if state is None else state.clone()
 
 
-def _leaves(values: Any) -> Iterable[Any]:
-    """The values inside tuples, lists and dicts (a call's arguments; as :func:`_recorded` reads them), depth first."""
-    if type(values) in (tuple, list):
-        for v in values:
-            yield from _leaves(v)
-    elif type(values) is dict:
-        for v in values.values():
-            yield from _leaves(v)
-    else:
-        yield values
-
-
 def replay_name(arm: str) -> str:
     """The name an arm's replays take turns under (:func:`run_in_turns`)."""
     return f"{arm} replay"
@@ -381,17 +371,19 @@ def sequence_efficiency(times: dict[str, list[dict[str, float]]], base: str, arm
     return share(arm) / share(base)
 
 
-def _recorded(values: Any, index: dict[int, int]) -> Any:
+def _recorded(values: Any, index: dict[int, int], taken: list[int]) -> Any:
     """A call's arguments as a replay takes them: tensors cloned (the loop may write to them after the call), the
-    recorded objects by their place (:class:`_Ref`), inside tuples, lists and dicts too; the rest as is."""
+    recorded objects by their place (:class:`_Ref`, each place also added to ``taken``), inside tuples, lists and
+    dicts too; the rest as is."""
     if isinstance(values, torch.Tensor):
         return values.clone()
     if id(values) in index:
+        taken.append(index[id(values)])
         return _Ref(index[id(values)])
     if type(values) is dict:
-        return {k: _recorded(v, index) for k, v in values.items()}
+        return {k: _recorded(v, index, taken) for k, v in values.items()}
     if type(values) in (tuple, list):  # not a named tuple: its fields are no place for a recorded object
-        return type(values)(_recorded(v, index) for v in values)
+        return type(values)(_recorded(v, index, taken) for v in values)
     return values
 
 
