@@ -17,18 +17,19 @@ sampling with CFG 1.5) it reports:
   wrapping that method in an untimed pass, by shape: model, tokens per row (target_only and the
   prefill: 1; a round's first draft call: 2, catching up the previous round's commit; later draft
   calls: 1; verify: gamma+1, padded in a row's short last round, so it costs the same) and rows fed
-  (the whole batch, or, in the tail rounds once over half the rows are done, fewer rows read by index). The head
-  arms' calls are counted the same way: ``target_f`` is a target call that also returns hidden
-  states (prefill 1 token, chain verify gamma+1, tree verify: the tree's nodes + 1, with its tree
+  (the whole batch, or, in the tail rounds once over half the rows are done, fewer rows read by index), and
+  the cache slots its attention reads (on a CPU the span up to the call's furthest row, in steps of 16:
+  attention's cost grows with it, and in a speculative batch the furthest row runs well ahead of the
+  rest). The head arms' calls are counted the same way: ``target_f`` is a target call that also returns
+  hidden states (prefill 1 token, chain verify gamma+1, tree verify: the tree's nodes + 1, with its tree
   mask), ``head`` an EAGLE-head call (the round's catch-up over depth + 1 positions, then one token per
-  chain step, or one tree level's internal nodes). Every shape used is timed in the same run (at four
-  positions spread over the image: attention's cost grows with the filled cache on a CPU; each
-  position's call warmed by 0.05 s of its own calls, then timed back to back with itself, as a loop's
-  calls follow each other on one cache; a speculative GPT shape with its rows a few positions apart,
-  since rows at different positions write their K/V by index and level rows through cheaper slices),
-  a few shapes before each arm's batch, so that the timings see the load the runs see (calls on fewer
-  rows at a grid of row counts, linear in between), and predicted time = sum over calls of the cost of
-  the call's shape;
+  chain step, or one tree level's internal nodes). Every shape used is timed in the same run (its
+  furthest row's tokens ending at the span's last slot; warmed by 0.05 s of its own calls, then timed
+  back to back with itself, as a loop's calls follow each other on one cache; a speculative GPT shape
+  with its rows a few positions apart, since rows at different positions write their K/V by index and
+  level rows through cheaper slices), a few shapes before each arm's batch, so that the timings see the
+  load the runs see (calls on fewer rows at a grid of row counts, linear in between), and predicted
+  time = sum over calls of the cost of the call's shape;
 - ``eff`` = speedup / pred (1.0: no more loop overhead than target_only's own loop);
 - ``ovh`` = time / predicted time of the arm's own calls (its loop overhead factor);
 - ``run-eff``: the efficiency with each call priced at what it took in the timed runs themselves
@@ -60,6 +61,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import inspect
 import statistics
 import sys
 from collections import Counter
@@ -125,20 +127,22 @@ ARMS: list[tuple[str, str, dict[str, Any], str]] = [
 # The model calls of the loops, each counted and priced as one call; the time outside them is the loop's.
 # GuidedModel.forward is the model call itself (probs may widen a call to every row of the batch).
 MODEL_CALLS = {GuidedModel: "forward", TargetStream: "probs", HeadStream: "probs"}
+# Their signatures, read before any pass wraps them: call_size finds an argument by its name.
+_SIGNATURES = {cls: inspect.signature(getattr(cls, name)) for cls, name in MODEL_CALLS.items()}
 
 
 @dataclass
 class CallCounts:
     """Batch-level :meth:`GuidedModel.forward` calls of one arm over the bench's samples, by shape."""
 
-    shapes: dict[str, int]  # shape_key(role, tokens per row, rows) -> calls
+    shapes: dict[str, int]  # shape_key(role, tokens per row, slots attended over, rows) -> calls
     batch: int
 
     def total(self, role: str, tokens: int | None = None, partial: bool | None = None) -> int:
         """Calls of ``role`` (with ``tokens`` per row; only those with fewer rows than the batch if ``partial``)."""
         out = 0
         for key, n in self.shapes.items():
-            r, t, rows = parse_shape(key)
+            r, t, _, rows = parse_shape(key)
             if r == role and tokens in (None, t) and partial in (None, rows < self.batch):
                 out += n
         return out
@@ -192,8 +196,8 @@ def count_calls(method: str, params: dict[str, Any], pair: ModelPair, work: list
 
     def counter(cls: type, role: Any) -> Any:
         def counted(self: Any, idx: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-            positions = args[1] if cls is GuidedModel else args[2]  # [rows fed, tokens per row]
-            counts[shape_key(role(self), positions.shape[1], idx.shape[0])] += 1
+            tokens, slots = call_size(self, idx, *args, **kwargs)
+            counts[shape_key(role(self), tokens, slots, idx.shape[0])] += 1
             return originals[cls](self, idx, *args, **kwargs)
         return counted
 
@@ -213,6 +217,17 @@ def count_calls(method: str, params: dict[str, Any], pair: ModelPair, work: list
     return CallCounts(dict(sorted(counts.items())), batch=work[0][0].shape[0]), stats, recordings
 
 
+def call_size(stream: Any, idx: torch.Tensor, *args: Any, **kwargs: Any) -> tuple[int, int]:
+    """Of one model call (:data:`MODEL_CALLS`, its arguments after ``idx``): the tokens fed per row and the
+    cache slots its attention reads (on a CPU the span up to the call's furthest row,
+    :func:`~specray.models.discrete_ar.attention_span`; a head stream's mask is that wide)."""
+    bound = _SIGNATURES[type(stream)].bind(stream, idx, *args, **kwargs).arguments
+    if isinstance(stream, GuidedModel):
+        span = attention_span(bound["positions"], stream.cache.max_len, fed=stream.model.max_seq_len)
+        return bound["positions"].shape[1], span
+    return bound["positions"].shape[1], bound["visible"].shape[-1]
+
+
 def cache_lengths(stream: Any) -> torch.Tensor:
     """What a model call's cost depends on besides its arguments: its stream's cache lengths."""
     return stream.cache.lengths
@@ -225,49 +240,46 @@ def replay_batch(recording: CallRecording, device: torch.device) -> dict[str, fl
 
 
 def shapes_to_time(counts: list[CallCounts], batch: int) -> list[str]:
-    """The call shapes whose cost is measured: every (model, tokens per row) kind the arms use, at
-    the full batch if they make it there, and on the partial-rows grid if they make partial calls."""
-    kinds: dict[tuple[str, int], set[bool]] = {}
+    """The call shapes whose cost is measured: every (model, tokens per row, slots attended over) kind the
+    arms use, at the full batch if they make it there, and on the partial-rows grid if they make partial calls."""
+    kinds: dict[tuple[str, int, int], set[bool]] = {}
     for c in counts:
         for key in c.shapes:
-            role, tokens, rows = parse_shape(key)
-            kinds.setdefault((role, tokens), set()).add(rows < batch)
+            role, tokens, slots, rows = parse_shape(key)
+            kinds.setdefault((role, tokens, slots), set()).add(rows < batch)
     out = []
-    for (role, tokens), partial in sorted(kinds.items()):
+    for (role, tokens, slots), partial in sorted(kinds.items()):
         if False in partial:
-            out.append(shape_key(role, tokens, batch))
+            out.append(shape_key(role, tokens, slots, batch))
         if True in partial:
-            out += [shape_key(role, tokens, rows) for rows in partial_rows_grid(batch)]
+            out += [shape_key(role, tokens, slots, rows) for rows in partial_rows_grid(batch)]
     return out
 
 
-# Positions each call shape is timed at (:func:`_call_of_shape`); a shape's cost is its timing / SPREAD.
-SPREAD = 4
-# Per position of a shape and timing: untimed calls filling WARM_SECONDS, then timed calls filling PART_SECONDS.
-# After other work a call's cost falls over some ten calls of its own (bench/warmup.py): 0.05 s is about ten of a
-# batch-32 target call.
+# Per shape and timing: untimed calls filling WARM_SECONDS, then timed calls filling PART_SECONDS. After other
+# work a call's cost falls over some ten calls of its own (bench/warmup.py): 0.05 s is about ten of a batch-32
+# target call.
 WARM_SECONDS, PART_SECONDS = 0.05, 0.01
 
 
-def _call_of_shape(role: str, n: int, rows: int, batch: int, pairs: dict[str, ModelPair], gamma: int,
-                   gen: torch.Generator) -> list[Callable[[], Any]]:
-    """:data:`SPREAD` zero-argument functions, each making one call of shape (role, n tokens per row, rows) as
-    the loops make it, at one of :data:`SPREAD` positions spread evenly over the image: on a CPU a GPT
-    call attends over the cache's filled prefix only (:func:`~specray.models.discrete_ar.attention_span`),
-    so its cost grows with its position, and the loops make their calls all over the image. The timer
-    warms and times each position's call back to back with itself (:class:`~bench.pricing.InterleavedTimer`
-    parts), as a loop's calls follow each other on one cache.
+def _call_of_shape(role: str, n: int, slots: int, rows: int, batch: int, pairs: dict[str, ModelPair], gamma: int,
+                   gen: torch.Generator) -> Callable[[], Any]:
+    """A zero-argument function making one call of shape (role, n tokens per row, attending over ``slots`` cache
+    slots, rows) as the loops make it: on a CPU a call attends over the cache's first slots up to its furthest
+    row (:func:`~specray.models.discrete_ar.attention_span`), so its cost grows with them, and in a speculative
+    batch the furthest row runs well ahead of the others (rows accept different numbers of drafts): a shape
+    priced at the rows' mean position would read fewer slots than the loop's call does. So the furthest row's
+    last token goes to slot ``slots - 1``, and the timer warms the call and times it back to back with itself
+    (:class:`~bench.pricing.InterleavedTimer`), as a loop's calls follow each other on one cache.
 
     The cache length is the loop's: target_only's for 1-token target calls (all but one prefill call
-    per speculative batch), the speculative loop's (room for a padded verify) otherwise, each position with
-    a cache of its own, grown as far as the loop's is there; for the head
+    per speculative batch), the speculative loop's (room for a padded verify) otherwise; for the head
     arms' calls, the prefix plus the call's tokens (a tree verify's nodes). The rows of a speculative
     GPT shape stand at different positions (0-3 apart), as they do after a loop's first round.
     """
     sampling = SD()
     gpt = pairs[DRAFT]
     device = gpt.device
-    num_tokens = gpt.target.config.num_image_tokens
     idx = torch.arange(rows, device=device)
     tok = torch.randint(0, gpt.target.config.vocab_size, (rows, n), generator=gen).to(device)
     # Past their first round a speculative loop's rows stand at different positions, so its GPT calls write
@@ -275,32 +287,28 @@ def _call_of_shape(role: str, n: int, rows: int, batch: int, pairs: dict[str, Mo
     # less (cache_write_index). So the speculative GPT shapes are timed with rows a few positions apart.
     level = role not in ("target", "draft") or (role, n) == ("target", 1)
     stagger = torch.zeros(rows, 1, dtype=torch.int64) if level else (torch.arange(rows) % 4)[:, None]
-    spread = [((2 * k + 1) * num_tokens // (2 * SPREAD) + torch.arange(n) + stagger).to(device) for k in range(SPREAD)]
+    # The furthest row's tokens end at slot `slots - 1`, the others' a few slots before (past the prefix slot 0).
+    pos = (slots - n + torch.arange(n) - stagger).clamp(min=1).to(device)
     if role in ("target", "draft"):
         model = gpt.target if role == "target" else gpt.draft
         max_len = gpt.target.max_seq_len + (0 if (role, n) == ("target", 1) else gamma + 1)
-        # One stream per position: on a CPU a GPT's cache grows with its calls (KVCache.reserve) and a call reads
-        # every slot its cache holds, so a call at position 8 on a cache grown for position 56 read 4x the slots
-        # the loop's call there does (at batch 32 target_only's calls were priced 1.33x their in-run time, 1.18x with a
-        # cache per position; 1.03x since each timing also follows a call of its own kind, InterleavedTimer.step).
-        # Each stream's call is warmed and timed as a part of its own: timed in turn with the other positions' in one
-        # block, every call followed another cache's and the batch-32 target_only shape cost 1.34x its positions'
-        # calls back to back (4.82 against 3.60 ms at 3245dc5, 2026-12-05; the speculative shapes 1.11-1.13x), for
-        # the reason bench/warmup.py measures.
-        full = rows == batch
-        return [functools.partial(GuidedModel(model, batch, sampling, max_len).forward, idx, tok, pos, all_rows=full,
-                                  prefix=False) for pos in spread]
+        # A stream of its own: on a CPU a GPT's cache grows with its calls (KVCache.reserve) and a call reads
+        # every slot its cache holds, as the loop's do (a call of a shape on a cache grown past its span by
+        # another shape's would read more).
+        return functools.partial(GuidedModel(model, batch, sampling, max_len).forward, idx, tok, pos,
+                                 all_rows=rows == batch, prefix=False)
     head_pair = pairs[HEAD]
-    max_len = head_pair.target.max_seq_len + n + 1
+    fed = head_pair.target.max_seq_len
+    # The head loops' calls reach slots past the positions fed (a tree's nodes, a padded verify): their spans too.
+    max_len = max(fed + n + 1, slots)
     role_stream = (TargetStream(head_pair.target, batch, sampling, max_len) if role == "target_f"
                    else HeadStream(head_pair.draft, head_pair.target, batch, sampling, max_len))
-    # a tree mask costs the same; on a CPU over the call's own attention span, as in the loops
-    slots = role_stream.cache.max_len
-    visible = [torch.arange(attention_span(pos, slots), device=device) <= pos[:, :, None] for pos in spread]
+    # K/V at slots `pos`; a tree mask costs the same as a causal one over as many slots
+    positions, visible = pos.clamp(max=fed - 1), torch.arange(slots, device=device) <= pos[:, :, None]
     if role == "target_f":
-        return [functools.partial(role_stream.probs, idx, tok, pos, pos, vis) for pos, vis in zip(spread, visible)]
+        return functools.partial(role_stream.probs, idx, tok, positions, pos, visible)
     features = torch.randn(role_stream.cache_rows(idx).shape[0], n, head_pair.target.config.dim, generator=gen).to(device)
-    return [functools.partial(role_stream.probs, idx, features, tok, pos, pos, vis) for pos, vis in zip(spread, visible)]
+    return functools.partial(role_stream.probs, idx, features, tok, positions, pos, visible)
 
 
 def cost_timer(pairs: dict[str, ModelPair], batch: int, gamma: int, shapes: list[str]) -> InterleavedTimer:
@@ -345,7 +353,7 @@ def bench_batch(pairs: dict[str, ModelPair], batch: int, samples: int, reps: int
                                  MODEL_CALLS if split else None)
     times = {name: per_repetition(r, len(work)) for name, r in runs.items()}
     loop_times = {name: per_repetition(r, len(work)) for name, r in outside.items()}
-    costs = {clock: {key: s / SPREAD for key, s in by_key.items()} for clock, by_key in timer.costs().items()}
+    costs = timer.costs()
 
     base_name = arms[0][0]
     results = []
@@ -387,18 +395,23 @@ def print_table(batch: int, samples: int, reps: int, costs: dict[str, dict[str, 
     c = costs[clock]
 
     def ms(role: str, tokens: int, rows: int = batch) -> str:
-        key = shape_key(role, tokens, rows)
-        return f"{c[key] * 1e3:.3f} ms" if key in c else "-"
+        """The shape's cost over the spans it was timed at, the shortest's to the longest's."""
+        timed = sorted((slots, cost) for key, cost in c.items() for r, t, slots, n in [parse_shape(key)]
+                       if (r, t, n) == (role, tokens, rows))
+        if not timed:
+            return "-"
+        (lo, c_lo), (hi, c_hi) = timed[0], timed[-1]
+        return f"{c_lo * 1e3:.3f} ms" if lo == hi else f"{c_lo * 1e3:.3f}-{c_hi * 1e3:.3f} ms over {lo}-{hi} slots"
 
     print(f"\n## batch {batch}: {samples} samples, {reps} reps, {clock} clock; per call at the full batch: "
           f"target 1 token {ms('target', 1)}, verify {gamma + 1} tokens {ms('target', gamma + 1)}, "
           f"draft 1 token {ms('draft', 1)}, draft 2 tokens {ms('draft', 2)}")
-    head_shapes = sorted((parse_shape(k) for k in c if parse_shape(k)[0] in ("target_f", "head")
-                          and parse_shape(k)[2] == batch), key=lambda x: (x[0] != "target_f", x[1]))
+    head_shapes = sorted({parse_shape(k)[:2] for k in c if parse_shape(k)[0] in ("target_f", "head")
+                          and parse_shape(k)[-1] == batch}, key=lambda x: (x[0] != "target_f", x[1]))
     if head_shapes:
         print("   head arms, per call at the full batch: " + ", ".join(
             f"{'target' if role == 'target_f' else 'head'} {n} token{'s' if n > 1 else ''} {ms(role, n)}"
-            for role, n, _ in head_shapes))
+            for role, n in head_shapes))
     if batch > 1:
         grid = partial_rows_grid(batch)
         print(f"   calls on fewer rows (tail rounds) timed at rows {grid}, linear in between; e.g. at 1 row: "

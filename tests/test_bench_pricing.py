@@ -315,3 +315,34 @@ def test_replaying_a_continuous_batch_remakes_its_calls_on_caches_of_its_own():
     assert sum(isinstance(o, pricing._Returned) for o in recordings[0].objects) == 2  # target's and draft's cache
     assert {c[1] for c in calls} == {"new_cache", "append_tokens", "query", "head_chain"}
     assert not any(isinstance(o, ContentCache) for o in recordings[0].objects)
+
+
+def test_the_discrete_bench_prices_every_call_shape_at_the_tokens_rows_and_slots_its_key_names():
+    # A GPT call's cost grows with the cache slots it attends over, which in a speculative batch follow its
+    # furthest row; every shape the counting pass finds (sd on the draft GPT, the head's chain and the eagle25
+    # tree, batch 3 with its tail rounds on fewer rows) is timed on a call that feeds that many tokens on that
+    # many rows and attends over exactly that many slots (a growing cache holding no more).
+    from bench import discrete as discrete_bench
+    from bench.pricing import parse_shape
+    from specray.methods.discrete.loop import GuidedModel
+    from specray.models.discrete_ar import load_pair
+
+    pairs = {name: load_pair(discrete_bench.TARGET, name, "cpu") for name in (discrete_bench.DRAFT, discrete_bench.HEAD)}
+    arms = [("sd", {"gamma": 4}, discrete_bench.DRAFT), ("sd", {"gamma": 4}, discrete_bench.HEAD),
+            ("sd", {"tree": "eagle25"}, discrete_bench.HEAD)]
+    counts = [discrete_bench.count_calls(method, params, pairs[draft], batches_of(3, 3), seed=1)[0]
+              for method, params, draft in arms]
+    shapes = discrete_bench.shapes_to_time(counts, batch=3)
+    assert {parse_shape(key)[2] for key in shapes} >= {16, 32, 48, 64, 80, 96}  # the trees' spans pass the image
+    assert any(parse_shape(key)[-1] < 3 for key in shapes)  # tail rounds on fewer rows
+    gen = torch.Generator().manual_seed(0)
+    with discrete_bench.generation_context():
+        for key in shapes:
+            role, tokens, slots, rows = parse_shape(key)
+            call = discrete_bench._call_of_shape(role, tokens, slots, rows, 3, pairs, 4, gen)
+            stream = call.func.__self__
+            assert discrete_bench.call_size(stream, *call.args, **call.keywords) == (tokens, slots), key
+            assert call.args[0].shape[0] == rows, key
+            call()
+            if isinstance(stream, GuidedModel):
+                assert stream.cache.keys[0].shape[1] == slots, key
