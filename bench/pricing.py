@@ -298,14 +298,17 @@ class CallRecording:
                 setattr(owner, attr, original)
         self._alive = []
 
-    def replay(self) -> None:
-        """Make the objects anew and the calls again, in order (through the owners' methods as they are now)."""
+    def replay(self, make: Callable[[Any, Callable[[], Any]], Any] | None = None) -> None:
+        """Make the objects anew and the calls again, in order (through the owners' methods as they are now).
+        ``make(obj, call)``, if given, makes each call of ``obj`` (``call()``) and returns its value: a bench may
+        time it, or make it again."""
         objects = [made.cls(*made.args, **made.kwargs) if isinstance(made, _Made) else made for made in self.objects]
         returned = {made.call: place for place, made in enumerate(self.objects) if isinstance(made, _Returned)}
         for number, (i, name, args, kwargs, restores) in enumerate(self.calls):
             for place, state in restores:
                 self.state(objects[place]).copy_(state)
-            out = getattr(objects[i], name)(*_resolved(args, objects), **_resolved(kwargs, objects))
+            call = functools.partial(getattr(objects[i], name), *_resolved(args, objects), **_resolved(kwargs, objects))
+            out = call() if make is None else make(objects[i], call)
             if number in returned:
                 objects[returned[number]] = out
 

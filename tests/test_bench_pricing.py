@@ -227,6 +227,17 @@ def test_a_recording_remakes_the_objects_calls_return_and_replays_module_functio
     recording.replay()
     assert _Maker.log == run
 
+    # A bench's hook makes each call (bench/in_place.py times it and makes it again): it sees the object called,
+    # in order, and the value it returns stands for the call's (the box the later calls fill).
+    _Maker.log, seen = [], []
+
+    def make(obj, call):
+        seen.append(type(obj).__name__)
+        return call()
+
+    recording.replay(make)
+    assert _Maker.log == run and seen == ["_Maker", "_Maker", "module", "_Maker"]
+
 
 @contextlib.contextmanager
 def _outputs_of(cls: type) -> Iterator[list[torch.Tensor]]:
@@ -346,3 +357,31 @@ def test_the_discrete_bench_prices_every_call_shape_at_the_tokens_rows_and_slots
             call()
             if isinstance(stream, GuidedModel):
                 assert stream.cache.keys[0].shape[1] == slots, key
+
+
+def test_making_each_call_again_in_place_leaves_the_replay_the_runs_calls():
+    # bench/in_place.py makes each recorded call again right after itself, its cache lengths set back first: the
+    # repeats give the call's own distributions and the calls after them still get the run's (sd, batch 2).
+    from bench import discrete as discrete_bench
+    from bench import in_place
+    from specray.methods.discrete.loop import GuidedModel
+    from specray.models.discrete_ar import load_pair
+
+    pair = load_pair(discrete_bench.TARGET, discrete_bench.DRAFT, "cpu")
+    _, _, recordings = discrete_bench.count_calls("sd", {"gamma": 4}, pair, batches_of(2, 2), seed=3)
+    with _outputs_of(GuidedModel) as outputs:
+        discrete_bench.replay_batch(recordings[0], pair.device)
+        replayed = outputs[:]
+        outputs.clear()
+        lengths = []  # each call's cache lengths as it starts
+        forward = GuidedModel.forward
+        GuidedModel.forward = lambda self, *a, **k: (lengths.append(self.cache.lengths.tolist()), forward(self, *a, **k))[1]
+        try:
+            in_order, again = in_place.time_in_place(recordings[0], pair, again=2)
+        finally:
+            GuidedModel.forward = forward
+    assert len(outputs) == 3 * len(replayed)
+    assert all(torch.equal(r, o) for r, o in zip(replayed, outputs[::3]))
+    assert all(torch.equal(o, a) for o, a in zip(outputs[::3], outputs[1::3]))
+    assert lengths[::3] == lengths[1::3] == lengths[2::3]  # each repeat on the state its call started from
+    assert set(in_order) == set(again) == {"target", "draft"} and min(again.values()) > 0
