@@ -377,7 +377,8 @@ def test_making_each_call_again_in_place_leaves_the_replay_the_runs_calls():
         forward = GuidedModel.forward
         GuidedModel.forward = lambda self, *a, **k: (lengths.append(self.cache.lengths.tolist()), forward(self, *a, **k))[1]
         try:
-            in_order, again = in_place.time_in_place(recordings[0], pair, again=2)
+            role_of = lambda stream: "target" if stream.model is pair.target else "draft"  # noqa: E731
+            in_order, again = in_place.time_in_place(recordings[0], role_of, again=2)
         finally:
             GuidedModel.forward = forward
     assert len(outputs) == 3 * len(replayed)
