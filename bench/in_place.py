@@ -85,6 +85,7 @@ def diffusion_family(gamma: int, num_steps: int) -> Family:
     pair = diffusion.load_pair(diffusion.TARGET, diffusion.DRAFT, "cpu")
     arms = {name: (method, diffusion.arm_params(method, drafter, num_steps, gamma), pair)
             for name, method, drafter in diffusion.ARMS}
+
     def prices(counts: list[Any]) -> tuple[Callable[[], None], Callable[[], Callable[[str], float]]]:
         guidance = arms["target_only"][1].get("guidance_scale", 1.0)  # as the diffusion bench prices them
         timer = diffusion.cost_timer(pair, diffusion.rows_to_time(counts), guidance)
@@ -141,8 +142,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--steps", type=int, default=100, help="diffusion: denoising steps K")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
-    for name in ("batch", "reps", "again", "steps"):
-        if getattr(args, name) < 1:
+    for name in ("batch", "reps", "again", "steps", "gamma"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
             ap.error(f"--{name} must be at least 1, got {getattr(args, name)}")
     torch.set_num_threads(1)
     keep_freed_memory()
@@ -171,8 +172,8 @@ def main(argv: list[str] | None = None) -> None:
             runs[name].append(time_in_place(counted[name][2][0], family.role_of, args.again, family.context))
         step()
     price = prices()
-    header = f"{'arm':<17} {'model':<9} {'calls':>6} {'in order':>10} {'again':>10} {'priced':>10} {'order/again':>12} " \
-             f"{'again/priced':>13}"
+    header = (f"{'arm':<17} {'model':<9} {'calls':>6} {'in order':>10} {'again':>10} {'priced':>10} "
+              f"{'order/again':>12} {'again/priced':>13}")
     print(header)
     print("-" * len(header))
     for name in chosen:

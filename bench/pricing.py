@@ -307,8 +307,10 @@ class CallRecording:
         for number, (i, name, args, kwargs, restores) in enumerate(self.calls):
             for place, state in restores:
                 self.state(objects[place]).copy_(state)
-            call = functools.partial(getattr(objects[i], name), *_resolved(args, objects), **_resolved(kwargs, objects))
-            out = call() if make is None else make(objects[i], call)
+            method = getattr(objects[i], name)
+            call_args, call_kwargs = _resolved(args, objects), _resolved(kwargs, objects)
+            out = (method(*call_args, **call_kwargs) if make is None  # the timed replays: nothing between the calls
+                   else make(objects[i], functools.partial(method, *call_args, **call_kwargs)))
             if number in returned:
                 objects[returned[number]] = out
 

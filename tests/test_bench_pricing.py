@@ -338,7 +338,8 @@ def test_the_discrete_bench_prices_every_call_shape_at_the_tokens_rows_and_slots
     from specray.methods.discrete.loop import GuidedModel
     from specray.models.discrete_ar import load_pair
 
-    pairs = {name: load_pair(discrete_bench.TARGET, name, "cpu") for name in (discrete_bench.DRAFT, discrete_bench.HEAD)}
+    pairs = {name: load_pair(discrete_bench.TARGET, name, "cpu")
+             for name in (discrete_bench.DRAFT, discrete_bench.HEAD)}
     arms = [("sd", {"gamma": 4}, discrete_bench.DRAFT), ("sd", {"gamma": 4}, discrete_bench.HEAD),
             ("sd", {"tree": "eagle25"}, discrete_bench.HEAD)]
     counts = [discrete_bench.count_calls(method, params, pairs[draft], batches_of(3, 3), seed=1)[0]
@@ -375,7 +376,12 @@ def test_making_each_call_again_in_place_leaves_the_replay_the_runs_calls():
         outputs.clear()
         lengths = []  # each call's cache lengths as it starts
         forward = GuidedModel.forward
-        GuidedModel.forward = lambda self, *a, **k: (lengths.append(self.cache.lengths.tolist()), forward(self, *a, **k))[1]
+
+        def noted(self, *args, **kwargs):
+            lengths.append(self.cache.lengths.tolist())
+            return forward(self, *args, **kwargs)
+
+        GuidedModel.forward = noted
         try:
             role_of = lambda stream: "target" if stream.model is pair.target else "draft"  # noqa: E731
             in_order, again = in_place.time_in_place(recordings[0], role_of, again=2)
