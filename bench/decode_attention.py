@@ -5,9 +5,10 @@ On a CPU the discrete GPTs' calls of one query (decode steps) and of 4 to 9 (ver
 run the C++ row copies of :class:`specray.models.discrete_ar.BlockWrite`, over caches that grow with their
 calls (:meth:`specray.models.discrete_ar.KVCache.reserve`, ``growing``), and their RMSNorms run one C++ call
 each (:mod:`specray.models.cpu_norm`, ``norm``), and the speculative loops' draws and round decisions
-one call each (:mod:`specray.methods.discrete.cpu_rounds`, ``rounds``); ``torch`` is what every call did before
-(``SPECRAY_DECODE_KERNEL=0``, static caches), ``kernels`` turns on those given by ``--kernels`` (default
-all five); ``--both`` names kernels on in both settings, to measure one on top of the others
+one call each (:mod:`specray.methods.discrete.cpu_rounds`, ``rounds``), and a call's attention mask is rows of
+a kept table (:func:`specray.models.discrete_ar.causal_mask`, ``masks``); ``torch`` is what every call did
+before (``SPECRAY_DECODE_KERNEL=0``, static caches, masks built each call), ``kernels`` turns on those given by
+``--kernels`` (default all six); ``--both`` names kernels on in both settings, to measure one on top of the others
 (``--kernels norm --both attention,writes,growing``).
 For each batch size and arm (fid50k's: target_only, sd, cool_sd, gamma 4, CFG 1.5, on digits-gpt-target
 with the draft digits-gpt-draft) it prints:
@@ -19,7 +20,8 @@ with the draft digits-gpt-draft) it prints:
   are meant to change no bit: 0).
 
     python bench/decode_attention.py [--batches 1,32,128] [--reps 5] [--samples-b1 4]
-                                     [--kernels attention,writes,growing,norm,rounds] [--both ...] [--json out.json]
+                                     [--kernels attention,writes,growing,norm,rounds,masks] [--both ...]
+                                     [--json out.json]
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ from specray.models import cpu_norm, decode_attention, discrete_ar  # noqa: E402
 # Each kernel's switch: (module, attribute).
 KERNELS = {"attention": (decode_attention, "ENABLED"), "writes": (discrete_ar, "BLOCK_WRITE_KERNEL"),
            "growing": (discrete_ar, "GROWING_CACHES"), "norm": (cpu_norm, "ENABLED"),
-           "rounds": (cpu_rounds, "ENABLED")}
+           "rounds": (cpu_rounds, "ENABLED"), "masks": (discrete_ar, "MASK_TABLES")}
 
 
 def settings(kernels: list[str], both: tuple[str, ...] = ()) -> dict[str, Callable[[], None]]:

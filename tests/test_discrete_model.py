@@ -355,13 +355,35 @@ def test_additive_masks_give_the_logits_of_bool_masks(monkeypatch):
         return step, tree
 
     with torch.no_grad():
-        additive = run()
+        additive = run()  # forward_step's masks: rows of a kept table (causal_mask)
+        monkeypatch.setattr(discrete_ar, "MASK_TABLES", False)  # built each call, through additive_mask below
+        built = run()
         monkeypatch.setattr(discrete_ar, "additive_mask", lambda mask, dtype: mask)
         boolean = run()
         monkeypatch.setattr(discrete_ar, "additive_mask", lambda mask, dtype: torch.zeros(mask.shape, dtype=dtype))
         unmasked = run()
+    assert all(torch.equal(a, b) for a, b in zip(additive, built))
     assert all(torch.equal(a, b) for a, b in zip(additive, boolean))
     assert not any(torch.equal(a, b) for a, b in zip(additive, unmasked))
+
+
+def test_a_causal_mask_is_a_lookup_of_the_mask_it_builds():
+    # Queries at every position of a cache (those past the span too: a padded verify's tail) over spans of 16..80
+    # slots: the kept table's rows are the mask built from the positions, bit for bit, in and out of inference mode
+    # (a table first made inside one serves calls outside it); past MASK_TABLE_MAX_ELEMENTS nothing is kept.
+    for span, slots in ((16, 16), (32, 80), (64, 80), (80, 80)):
+        positions = torch.arange(slots).roll(5).view(-1, 8 if slots % 8 == 0 else 1)
+        key_slots = torch.arange(span)
+        built = discrete_ar.additive_mask((key_slots[None, None, :] <= positions[:, :, None])[:, None], torch.float32)
+        with torch.inference_mode():
+            inside = discrete_ar.causal_mask(positions, span, slots, torch.float32)
+        outside = discrete_ar.causal_mask(positions, span, slots, torch.float32)
+        assert inside.shape == outside.shape == built.shape == (positions.shape[0], 1, positions.shape[1], span)
+        assert torch.equal(inside, built) and torch.equal(outside, built)
+    big = 1 + discrete_ar.MASK_TABLE_MAX_ELEMENTS // 512
+    kept = discrete_ar._mask_table.cache_info().currsize
+    discrete_ar.causal_mask(torch.tensor([[3]]), 512, big, torch.float32)
+    assert discrete_ar._mask_table.cache_info().currsize == kept
 
 
 def test_feed_forward_in_place_gives_the_autograd_path_bits_and_leaves_its_input():
