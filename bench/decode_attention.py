@@ -69,8 +69,9 @@ def main(argv: list[str] | None = None) -> None:
             sys.exit(f"{option}: unknown {', '.join(unknown)}; choose from {', '.join(KERNELS)}")
     torch.set_num_threads(1)
     decode_attention.prepare()  # build and check outside the timed runs
-    if decode_attention.kernel(1) is None:
-        sys.exit("specray's CPU kernels are not in use here (see the log above)")
+    if "attention" in (*kernels, *both) and decode_attention.kernel(1) is None:
+        sys.exit("specray's decode-attention kernel is not in use here (see the log above); leave `attention` out of "
+                 "--kernels and --both to compare the others")
     title = f"torch's operations vs specray's CPU kernels ({', '.join(kernels)})"
     if both:
         title += f", {', '.join(both)} on in both"
