@@ -376,7 +376,7 @@ def _mask_table(span: int, slots: int, dtype: torch.dtype) -> torch.Tensor:
 def causal_mask(positions: torch.Tensor, span: int, slots: int, dtype: torch.dtype) -> torch.Tensor:
     """The additive mask ``[r, 1, n, span]`` of queries at ``positions [r, n]`` (each below ``slots``) that see
     every slot up to their own: on a CPU, rows of a table kept per (span, slots), one lookup a call where building
-    it takes four operations (7.5 of a batch-1 draft call's 160 us); the same values."""
+    it takes four operations (7.5 us of a batch-1 draft call's 160); the same values."""
     if not MASK_TABLES or positions.device.type != "cpu" or span * slots > MASK_TABLE_MAX_ELEMENTS:
         key_slots = torch.arange(span, device=positions.device)
         return additive_mask((key_slots[None, None, :] <= positions[:, :, None])[:, None], dtype)
