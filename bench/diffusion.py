@@ -117,6 +117,11 @@ class CallCounts:
 
 
 
+def model_role(model: Denoiser, pair: ModelPair) -> str:
+    """The bench's name of a denoiser of ``pair``: ``target`` or ``draft``."""
+    return "target" if model is pair.target else "draft"
+
+
 def count_calls(method: str, params: dict[str, Any], pair: ModelPair, work: list, seed: int,
                 ) -> tuple[CallCounts, list, list[CallRecording]]:
     """Untimed pass with :meth:`Denoiser.forward` wrapped: every call counted by model and rows fed, and each
@@ -125,7 +130,7 @@ def count_calls(method: str, params: dict[str, Any], pair: ModelPair, work: list
     original = Denoiser.forward
 
     def counted(self: Denoiser, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        counts[shape_key("target" if self is pair.target else "draft", x.shape[0])] += 1
+        counts[shape_key(model_role(self, pair), x.shape[0])] += 1
         return original(self, x, *args, **kwargs)
 
     Denoiser.forward = counted  # type: ignore[method-assign]

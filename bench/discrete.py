@@ -194,17 +194,15 @@ def count_calls(method: str, params: dict[str, Any], pair: ModelPair, work: list
     methods = MODEL_CALLS
     originals = {cls: getattr(cls, name) for cls, name in methods.items()}
 
-    def counter(cls: type, role: Any) -> Any:
+    def counter(cls: type) -> Any:
         def counted(self: Any, idx: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
             tokens, slots = call_size(self, idx, *args, **kwargs)
-            counts[shape_key(role(self), tokens, slots, idx.shape[0])] += 1
+            counts[shape_key(model_role(self, pair), tokens, slots, idx.shape[0])] += 1
             return originals[cls](self, idx, *args, **kwargs)
         return counted
 
-    roles = {GuidedModel: lambda s: "target" if s.model is pair.target else "draft",
-             TargetStream: lambda s: "target_f", HeadStream: lambda s: "head"}
     for cls, name in methods.items():
-        setattr(cls, name, counter(cls, roles[cls]))
+        setattr(cls, name, counter(cls))
     stats, recordings = [], []
     try:
         for unit in work:
@@ -215,6 +213,14 @@ def count_calls(method: str, params: dict[str, Any], pair: ModelPair, work: list
         for cls, name in methods.items():
             setattr(cls, name, originals[cls])
     return CallCounts(dict(sorted(counts.items())), batch=work[0][0].shape[0]), stats, recordings
+
+
+def model_role(stream: Any, pair: ModelPair) -> str:
+    """The bench's name of the model a stream of ``pair``'s calls: ``target``/``draft`` (a GPT stream),
+    ``target_f`` (the head loops' target stream) or ``head``."""
+    if isinstance(stream, GuidedModel):
+        return "target" if stream.model is pair.target else "draft"
+    return "target_f" if isinstance(stream, TargetStream) else "head"
 
 
 def call_size(stream: Any, idx: torch.Tensor, *args: Any, **kwargs: Any) -> tuple[int, int]:

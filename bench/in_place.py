@@ -41,12 +41,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import diffusion, discrete  # noqa: E402
 from bench.pricing import batches_of, parse_shape, run_arm, shape_cost  # noqa: E402
-from specray.methods.discrete.eagle_loop import HeadStream, TargetStream  # noqa: E402
-from specray.methods.discrete.loop import GuidedModel, generation_context  # noqa: E402
+from specray.methods.discrete.loop import generation_context  # noqa: E402
 from specray.runtime.hardware import device_name  # noqa: E402
 from specray.runtime.heap import keep_freed_memory  # noqa: E402
-
-HEAD_ROLES = {TargetStream: "target_f", HeadStream: "head"}
 
 
 @dataclass
@@ -58,7 +55,7 @@ class Family:
     count_calls: Callable[..., tuple]  # the bench's counting pass: (counts, stats, recordings)
     # the arms' counts -> (time the next round of shape prices, then {shape key: price} from the rounds timed)
     prices: Callable[[list[Any]], tuple[Callable[[], None], Callable[[], Callable[[str], float]]]]
-    role_of: Callable[[Any], str]  # a called object -> the bench's name of its model
+    role_of: Callable[[Any, Any], str]  # (a called object, its arm's pair) -> the bench's name of its model
     context: Callable[[], contextlib.AbstractContextManager]  # what the loops make their calls in
 
 
@@ -67,18 +64,13 @@ def discrete_family(gamma: int, batch: int) -> Family:
     arms = {name: (method, {**params, **({} if method == "target_only" or "tree" in params else {"gamma": gamma})},
                    pairs[draft]) for name, method, params, draft in discrete.ARMS}
 
-    def role_of(stream: Any) -> str:
-        if isinstance(stream, GuidedModel):
-            return "target" if stream.model is pairs[discrete.DRAFT].target else "draft"
-        return HEAD_ROLES[type(stream)]
-
     def prices(counts: list[Any]) -> tuple[Callable[[], None], Callable[[], Callable[[str], float]]]:
         shapes = discrete.shapes_to_time(counts, batch)
         timer = discrete.cost_timer(pairs, batch, gamma, shapes)
         return (lambda: timer.step(len(shapes)),
                 lambda: functools.partial(shape_cost, costs=timer.costs()["cpu"], batch=batch))
 
-    return Family(arms, discrete.run_batch, discrete.count_calls, prices, role_of, generation_context)
+    return Family(arms, discrete.run_batch, discrete.count_calls, prices, discrete.model_role, generation_context)
 
 
 def diffusion_family(gamma: int, num_steps: int) -> Family:
@@ -92,8 +84,8 @@ def diffusion_family(gamma: int, num_steps: int) -> Family:
         return (lambda: timer.step(len(timer.calls)),
                 lambda: functools.partial(diffusion.shape_cost, costs=timer.costs()["cpu"]))
 
-    return Family(arms, diffusion.run_batch, diffusion.count_calls, prices,
-                  lambda model: "target" if model is pair.target else "draft", contextlib.nullcontext)
+    return Family(arms, diffusion.run_batch, diffusion.count_calls, prices, diffusion.model_role,
+                  contextlib.nullcontext)
 
 
 def time_in_place(recording: Any, role_of: Callable[[Any], str], again: int,
@@ -169,7 +161,8 @@ def main(argv: list[str] | None = None) -> None:
     runs: dict[str, list[tuple[dict[str, float], dict[str, float]]]] = {name: [] for name in chosen}
     for _ in range(args.reps):  # prices and replays in turns: both see the same load
         for name in chosen:
-            runs[name].append(time_in_place(counted[name][2][0], family.role_of, args.again, family.context))
+            role_of = functools.partial(family.role_of, pair=family.arms[name][2])
+            runs[name].append(time_in_place(counted[name][2][0], role_of, args.again, family.context))
         step()
     price = prices()
     header = (f"{'arm':<17} {'model':<9} {'calls':>6} {'in order':>10} {'again':>10} {'priced':>10} "

@@ -4,6 +4,7 @@ costs, turns and splits are put together."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import sys
 import types
 from collections.abc import Iterator
@@ -383,7 +384,7 @@ def test_making_each_call_again_in_place_leaves_the_replay_the_runs_calls():
 
         GuidedModel.forward = noted
         try:
-            role_of = lambda stream: "target" if stream.model is pair.target else "draft"  # noqa: E731
+            role_of = functools.partial(discrete_bench.model_role, pair=pair)
             in_order, again = in_place.time_in_place(recordings[0], role_of, again=2)
         finally:
             GuidedModel.forward = forward

@@ -373,13 +373,18 @@ def _mask_table(span: int, slots: int, dtype: torch.dtype) -> torch.Tensor:
         return additive_mask(torch.arange(slots)[:, None] >= torch.arange(span)[None, :], dtype)
 
 
+def causal_bool_mask(positions: torch.Tensor, span: int) -> torch.Tensor:
+    """``[r, 1, n, span]``: True where a query at ``positions [r, n]`` may attend (slot <= its position)."""
+    key_slots = torch.arange(span, device=positions.device)
+    return (key_slots[None, None, :] <= positions[:, :, None])[:, None]
+
+
 def causal_mask(positions: torch.Tensor, span: int, slots: int, dtype: torch.dtype) -> torch.Tensor:
     """The additive mask ``[r, 1, n, span]`` of queries at ``positions [r, n]`` (each below ``slots``) that see
     every slot up to their own: on a CPU, rows of a table kept per (span, slots), one lookup a call where building
     it takes four operations (7.5 us of a batch-1 draft call's 160); the same values."""
     if not MASK_TABLES or positions.device.type != "cpu" or span * slots > MASK_TABLE_MAX_ELEMENTS:
-        key_slots = torch.arange(span, device=positions.device)
-        return additive_mask((key_slots[None, None, :] <= positions[:, :, None])[:, None], dtype)
+        return additive_mask(causal_bool_mask(positions, span), dtype)
     return F.embedding(positions, _mask_table(span, slots, dtype))[:, None]
 
 
@@ -798,8 +803,7 @@ class DiscreteGPT(nn.Module):
         span = attention_span(positions, keys[0].shape[1], "position", fed=self.max_seq_len, checked=checked)
         rope = self._rotary(positions)
         if compiled:
-            slots = torch.arange(span, device=h.device)
-            mask = (slots[None, None, :] <= positions[:, :, None])[:, None]  # [r, 1, n, span]
+            mask = causal_bool_mask(positions, span)
             attend = explicit_attention
         else:
             mask = causal_mask(positions, span, keys[0].shape[1], h.dtype)
