@@ -6,9 +6,10 @@ run the C++ row copies of :class:`specray.models.discrete_ar.BlockWrite`, over c
 calls (:meth:`specray.models.discrete_ar.KVCache.reserve`, ``growing``), and their RMSNorms run one C++ call
 each (:mod:`specray.models.cpu_norm`, ``norm``), and the speculative loops' draws and round decisions
 one call each (:mod:`specray.methods.discrete.cpu_rounds`, ``rounds``), and a call's attention mask is rows of
-a kept table (:func:`specray.models.discrete_ar.causal_mask`, ``masks``); ``torch`` is what every call did
-before (``SPECRAY_DECODE_KERNEL=0``, static caches, masks built each call), ``kernels`` turns on those given by
-``--kernels`` (default all six); ``--both`` names kernels on in both settings, to measure one on top of the others
+a kept table (:func:`specray.models.discrete_ar.causal_mask`, ``masks``), and a call's layers run in one C++ call
+(:class:`specray.models.discrete_ar.FusedLayers`, ``layers``); ``torch`` is what every call did before
+(``SPECRAY_DECODE_KERNEL=0``, static caches, masks built each call, the Python layers), ``kernels`` turns on those
+given by ``--kernels`` (default all seven); ``--both`` names kernels on in both settings, to measure one on top of the others
 (``--kernels norm --both attention,writes,growing``).
 For each batch size and arm (fid50k's: target_only, sd, cool_sd, gamma 4, CFG 1.5, on digits-gpt-target
 with the draft digits-gpt-draft) it prints:
@@ -20,7 +21,7 @@ with the draft digits-gpt-draft) it prints:
   are meant to change no bit: 0).
 
     python bench/decode_attention.py [--batches 1,32,128] [--reps 5] [--samples-b1 4]
-                                     [--kernels attention,writes,growing,norm,rounds,masks] [--both ...]
+                                     [--kernels attention,writes,growing,norm,rounds,masks,layers] [--both ...]
                                      [--json out.json]
 """
 
@@ -42,7 +43,8 @@ from specray.models import cpu_norm, decode_attention, discrete_ar  # noqa: E402
 # Each kernel's switch: (module, attribute).
 KERNELS = {"attention": (decode_attention, "ENABLED"), "writes": (discrete_ar, "BLOCK_WRITE_KERNEL"),
            "growing": (discrete_ar, "GROWING_CACHES"), "norm": (cpu_norm, "ENABLED"),
-           "rounds": (cpu_rounds, "ENABLED"), "masks": (discrete_ar, "MASK_TABLES")}
+           "rounds": (cpu_rounds, "ENABLED"), "masks": (discrete_ar, "MASK_TABLES"),
+           "layers": (discrete_ar, "FUSED_LAYERS")}
 
 
 def settings(kernels: list[str], both: tuple[str, ...] = ()) -> dict[str, Callable[[], None]]:

@@ -114,7 +114,9 @@ def test_each_thread_count_is_checked_on_its_own(kernel, one_thread):
 def test_the_loops_give_the_same_samples_with_and_without_the_kernels(kernel, one_thread, monkeypatch, method, params):
     """The attention kernel, the K/V row copies, the RMSNorm kernel and the rounds' draws and decisions against
     torch's operations: 64 samples (128 rows, so the speculative arms' ragged verify calls write by blocks), seed 3;
-    the kernels must serve calls."""
+    the kernels must serve calls. The Python layers, whose kernel calls are counted here; then the fused layers,
+    which call the same kernels from C++ (discrete_ar.FusedLayers), with the same samples."""
+    monkeypatch.setattr(discrete_ar, "FUSED_LAYERS", False)
     pair = load_pair("digits-gpt-target", "digits-gpt-draft", "cpu")
     ids = torch.arange(64) + 40
     served, copied, normed, drawn, decided = [], [], [], [], []
@@ -155,6 +157,12 @@ def test_the_loops_give_the_same_samples_with_and_without_the_kernels(kernel, on
     assert not copied and not normed and not drawn and not decided
     assert torch.equal(with_kernels[0], without[0])
     assert [vars(s) for s in with_kernels[1]] == [vars(s) for s in without[1]]
+    for module, switch in ((decode_attention, "ENABLED"), (discrete_ar, "BLOCK_WRITE_KERNEL"), (cpu_norm, "ENABLED"),
+                           (cpu_rounds, "ENABLED"), (discrete_ar, "FUSED_LAYERS")):
+        monkeypatch.setattr(module, switch, True)
+    fused = generate_tokens(method, params, pair, ids % 10, ids, 3)
+    assert torch.equal(fused[0], without[0])
+    assert [vars(s) for s in fused[1]] == [vars(s) for s in without[1]]
 
 
 def test_each_environment_builds_in_its_own_folder(monkeypatch, tmp_path):

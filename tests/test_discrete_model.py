@@ -493,6 +493,8 @@ def test_parked_rows_take_consecutive_slots_inside_the_cache(monkeypatch):
     batch, max_len, n = 5, 32, 5  # 32: a CPU cache keeps this length (kv_slots)
     labels, tokens = random_tokens(batch, seed=9)
     monkeypatch.setattr(discrete_ar, "BLOCK_WRITE_MIN_TOKENS", 1)  # blocks at this small size too
+    monkeypatch.setattr(discrete_ar, "FUSED_LAYERS", False)  # the Python layers' writes are counted (the fused
+    # layers make the same BlockWrite from C++, tests/test_fused_layers.py)
     sampling = SamplingParams(cfg_scale=1.5, temperature=1.0, top_k=0, top_p=1.0)
     lengths = torch.tensor([6, 9, 29, 12, 10])  # row 2 is finished, 3 slots from the end; row 4 sits out
     idx, positions = torch.tensor([0, 1, 3]), torch.stack([torch.arange(k, k + n) for k in (6, 9, 12)])

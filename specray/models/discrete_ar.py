@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import functools
 import math
+import weakref
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -74,6 +75,9 @@ BLOCK_WRITE_KERNEL = True
 # of memory, where it would read each block's first slots and skip the rest: at fid50k's batch of 128
 # the attention reads caches larger than the CPU's caches, and skipping made those reads up to 2x slower.
 GROWING_CACHES = True
+# Whether an eager CPU call runs its layers in one call of the C++ extension where it is built (fused_layers: the
+# same ATen operations without Python's share of their dispatch; False: the Python layers, for A/B).
+FUSED_LAYERS = True
 
 
 @dataclass(frozen=True)
@@ -632,6 +636,60 @@ class KVCache:
             self.lengths[rows] = lengths.to(self.lengths.dtype)
 
 
+class FusedLayers:
+    """A model's layers in one call of the C++ extension (``cached_layers``, ``csrc/cached_layers.cpp``): the ATen
+    operations :class:`TransformerBlock` runs in eager float32 CPU inference, in the same order on the same
+    arguments, so the same values; at batch 1 a digits target call spends about a third of its time in Python's
+    share of those operations' dispatch. Called as the loop over the layers, with what that loop would choose per
+    call (the rotary factor, the mask, :func:`cache_write_index`'s write, the rows read, the attention kernel)."""
+
+    def __init__(self, layers: list[nn.Module]) -> None:
+        first = layers[0]
+        self.n_head, self.eps = first.attention.n_head, first.ffn_norm.eps
+        self.width = first.ffn_norm.weight.shape[0]
+        # The parameters themselves: in-place loads and device moves keep them (their data is read at each call).
+        # An EAGLE head's layer may have no input norm (None).
+        self.weights = [w for layer in layers for w in (
+            None if layer.attention_norm is None else layer.attention_norm.weight,
+            layer.attention.wqkv.weight, layer.attention.wo.weight,
+            layer.ffn_norm.weight, layer.feed_forward.w1.weight, layer.feed_forward.w3.weight,
+            layer.feed_forward.w2.weight)]
+
+    def __call__(self, h: torch.Tensor, rope: torch.Tensor, mask: torch.Tensor, keys: list[torch.Tensor],
+                 values: list[torch.Tensor], read_rows: torch.Tensor | None, write_rows: Any, write_slots: Any,
+                 attention_kernel: bool = False) -> torch.Tensor:
+        if isinstance(write_slots, slice):  # every row at the same slots (cache_write_index)
+            kind, start, write_rows, write_slots = 0, write_slots.start, None, None
+        elif isinstance(write_rows, BlockWrite):  # the C++ row copies, or with them switched off the indexed write
+            kind, start, write_rows, write_slots = ((1, 0, write_rows.rows, write_rows.first_slots) if BLOCK_WRITE_KERNEL
+                                                    else (2, 0, write_rows.rows[:, None], write_rows.positions))
+        else:
+            kind, start = 2, 0
+        return cpu_kernels.extension().cached_layers(
+            h, rope, mask, keys, values, self.weights, self.n_head, self.eps, cpu_norm.kernel(self.width) is not None,
+            attention_kernel, kind, start, write_rows, write_slots, read_rows)
+
+
+def fused_layers(model: nn.Module, h: torch.Tensor, rope: Any, keys: list[torch.Tensor],
+                 layers: Callable[[], list[nn.Module]] | None = None) -> FusedLayers | None:
+    """``model``'s :class:`FusedLayers` (of ``layers()``, default its ``layers``) where they serve this call
+    (:data:`FUSED_LAYERS`, the extension built, eager float32 inference on a CPU with the complex rotary factor,
+    :func:`complex_rotary_applies`), else None: the Python layers run, with the same values."""
+    if (not FUSED_LAYERS or not isinstance(rope, torch.Tensor) or h.dtype != torch.float32 or h.device.type != "cpu"
+            or keys[0].dtype != torch.float32 or model.training or torch.is_grad_enabled()):
+        return None
+    fused = _FUSED.get(model)
+    if fused is None:
+        if cpu_kernels.extension() is None:
+            return None
+        fused = _FUSED[model] = FusedLayers(list(model.layers) if layers is None else layers())
+    return fused
+
+
+# Each model's FusedLayers, kept beside it (not on it: a model stays as picklable and copyable as before).
+_FUSED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 class DiscreteGPT(nn.Module):
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
@@ -809,8 +867,13 @@ class DiscreteGPT(nn.Module):
             mask = causal_mask(positions, span, keys[0].shape[1], h.dtype)
             attend = decode_attention.attention_for(h, self.config.head_dim, h.shape[1], span)
         write_rows, write_slots = cache_write_index(positions, rows, head_major=True)
-        for i, layer in enumerate(self.layers):
-            h = layer.forward(h, rope, mask, (keys[i], values[i], rows, write_rows, write_slots), attend)
+        fused = None if compiled else fused_layers(self, h, rope, keys)
+        if fused is not None:
+            h = fused(h, rope, mask, keys, values, rows, write_rows, write_slots,
+                      attention_kernel=attend is not F.scaled_dot_product_attention)
+        else:
+            for i, layer in enumerate(self.layers):
+                h = layer.forward(h, rope, mask, (keys[i], values[i], rows, write_rows, write_slots), attend)
         if rows is None:
             lengths.copy_(positions[:, -1] + 1)
         else:
@@ -895,6 +958,9 @@ class DiscreteGPT(nn.Module):
         rope = self._rotary(positions)
         write_rows = (torch.arange(tokens.shape[0], device=tokens.device) if rows is None else rows)[:, None]
         mask = additive_mask(visible[:, None], h.dtype)
+        fused = fused_layers(self, h, rope, cache.keys)
+        if fused is not None:
+            return self.norm(fused(h, rope, mask, cache.keys, cache.values, rows, write_rows, slots))
         for i, layer in enumerate(self.layers):
             h = layer(h, rope, mask, (cache.keys[i], cache.values[i], rows, write_rows, slots))
         return self.norm(h)

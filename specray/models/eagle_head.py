@@ -36,6 +36,7 @@ from specray.models.discrete_ar import (
     FeedForward,
     KVCache,
     RMSNorm,
+    fused_layers,
     kv_slots,
     register_rotary_tables,
     rotary_at,
@@ -166,8 +167,11 @@ class EagleHead(nn.Module):
         if rows is None and tokens.shape[0] != cache.rows:
             rows = torch.arange(tokens.shape[0], device=tokens.device)
         write_rows = (torch.arange(tokens.shape[0], device=tokens.device) if rows is None else rows)[:, None]
-        kv = (cache.keys[0], cache.values[0], rows, write_rows, slots)
-        return self.layer(self._input(features, tokens), self._rotary(positions), visible[:, None], kv)
+        h, rope, mask = self._input(features, tokens), self._rotary(positions), visible[:, None]
+        fused = fused_layers(self, h, rope, cache.keys, lambda: [self.layer])
+        if fused is not None:  # the layer in one C++ call, the same values
+            return fused(h, rope, mask, cache.keys, cache.values, rows, write_rows, slots)
+        return self.layer(h, rope, mask, (cache.keys[0], cache.values[0], rows, write_rows, slots))
 
 
 def head_logits(target: DiscreteGPT, features: torch.Tensor) -> torch.Tensor:

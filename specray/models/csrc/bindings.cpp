@@ -18,6 +18,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("path_to"), py::arg("omegas") = py::none());
   m.def("lantern_tree_round", &lantern_tree_round, "LANTERN++'s tree round (G* residual) with torch's values");
   m.def("draw_children", &draw_children, "a tree level's children draws with the values of torch's operations");
+  m.def("cached_layers", &cached_layers, "a discrete GPT's layers over its CPU KV cache with the values of torch's "
+        "operations");
   m.def("write_blocks", &write_blocks, "K/V of consecutive positions per row into a head-major CPU cache");
   m.def("move_slots", &move_slots, "K/V slots moved within a head-major CPU cache, every layer at once");
   m.def("chain_plan", &chain_plan, "a draft GPT's round's positions and uniforms, every row taking part");

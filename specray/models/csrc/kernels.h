@@ -12,6 +12,7 @@
 #include <initializer_list>
 #include <optional>
 #include <tuple>
+#include <vector>
 
 // Whether every tensor is on the CPU, and (with a type) of that scalar type: the kernels' argument checks.
 inline bool on_cpu(std::initializer_list<const at::Tensor*> tensors) {
@@ -85,6 +86,21 @@ at::Tensor tree_commit(at::Tensor& keys, at::Tensor& values, at::Tensor& feature
                        const at::Tensor& cache_rows, const at::Tensor& n, const at::Tensor& n_accepted,
                        const at::Tensor& path, const at::Tensor& next_token, const at::Tensor& node_tokens,
                        const at::Tensor& hidden);
+
+// A discrete GPT's layers over its CPU KV cache in one call (cached_layers.cpp): the ATen operations of
+// discrete_ar.TransformerBlock in eager float32 inference, on h [r, n, D], the complex rotary factor rope
+// [r, n, 1, hd / 2], the mask [r, 1, n, span] (additive or bool) and each layer's K and V cache [R, S, H, hd].
+// weights: per layer attention_norm (none: an EAGLE head's layer without one), wqkv, wo, ffn_norm, w1, w3, w2. The
+// K/V go to slots start .. start + n - 1 of every row (write_kind 0), to consecutive slots from write_slots [r] of
+// rows write_rows [r] (1), or to [write_rows [r, 1], write_slots [r, n]] (2); attention reads the rows read_rows
+// (none: all). norm_kernel, attention_kernel: whether rms_norm and decode_attention serve (the caller checked).
+// Returns h after the layers.
+at::Tensor cached_layers(at::Tensor h, const at::Tensor& rope, const at::Tensor& mask,
+                         const std::vector<at::Tensor>& keys, const std::vector<at::Tensor>& values,
+                         const std::vector<std::optional<at::Tensor>>& weights, int64_t n_head, double eps,
+                         bool norm_kernel, bool attention_kernel, int64_t write_kind, int64_t start,
+                         const std::optional<at::Tensor>& write_rows, const std::optional<at::Tensor>& write_slots,
+                         const std::optional<at::Tensor>& read_rows);
 
 // RMSNorm of float32 rows, (x * rsqrt(sum(x * x) / D + eps)) * weight, with the values of torch's operations
 // (rms_norm.cpp); an undefined tensor where the call is not one it serves.

@@ -1,0 +1,117 @@
+// A discrete GPT's transformer layers over its KV cache on a CPU, in one call from Python: the ATen operations that
+// discrete_ar.TransformerBlock runs in eager float32 inference, in the same order on the same arguments, so every
+// value is the one the Python layers give. At batch 1 most of a layer's time is the dispatch of its ~33 operations,
+// and about half of that is Python's (argument parsing, tensor wrapping, the modules' attribute lookups); here
+// each operation costs only ATen's own dispatch. specray/models/discrete_ar.py (fused_layers) decides where this
+// serves and passes in what the Python layers would choose per call: the rotary factor, the mask, how the K/V are
+// written and read, and whether the norm and attention kernels serve.
+#include "kernels.h"
+
+#include <ATen/ops/add.h>
+#include <ATen/ops/arange.h>
+#include <ATen/ops/index_select.h>
+#include <ATen/ops/index_put.h>
+#include <ATen/ops/linear.h>
+#include <ATen/ops/mul.h>
+#include <ATen/ops/rsqrt.h>
+#include <ATen/ops/scalar_tensor.h>
+#include <ATen/ops/scaled_dot_product_attention.h>
+#include <ATen/ops/silu.h>
+#include <ATen/ops/sum.h>
+#include <ATen/ops/view_as_complex.h>
+#include <ATen/ops/view_as_real.h>
+
+#include <cmath>
+#include <vector>
+
+namespace {
+
+// cpu_norm.torch_rms_norm's operations: the count and eps enter as 0-dim float32 tensors, as there.
+at::Tensor torch_rms_norm(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& count,
+                          const at::Tensor& eps) {
+  at::Tensor scale = at::sum(x.mul(x), {-1}, /*keepdim=*/true).div_(count).add_(eps).rsqrt_();
+  return x.mul(scale).mul_(weight);
+}
+
+// cache[rows, slots] = x, torch's indexed write (index_put_ without accumulation).
+void write_at(at::Tensor& cache, const at::Tensor& rows, const at::Tensor& slots, const at::Tensor& x) {
+  c10::List<std::optional<at::Tensor>> index;
+  index.push_back(rows);
+  index.push_back(slots);
+  cache.index_put_(index, x);
+}
+
+struct Norm {
+  bool kernel;  // the kernel serves this width (cpu_norm.kernel checked it)
+  double eps;
+  at::Tensor count, eps_tensor;
+
+  at::Tensor operator()(const at::Tensor& x, const at::Tensor& weight) const {
+    if (kernel && x.is_contiguous()) {
+      at::Tensor out = rms_norm(x, weight, eps);
+      if (out.defined()) return out;
+    }
+    return torch_rms_norm(x, weight, count, eps_tensor);
+  }
+};
+
+}  // namespace
+
+at::Tensor cached_layers(at::Tensor h, const at::Tensor& rope, const at::Tensor& mask,
+                         const std::vector<at::Tensor>& keys, const std::vector<at::Tensor>& values,
+                         const std::vector<std::optional<at::Tensor>>& weights, int64_t n_head, double eps, bool norm_kernel,
+                         bool attention_kernel, int64_t write_kind, int64_t start,
+                         const std::optional<at::Tensor>& write_rows, const std::optional<at::Tensor>& write_slots,
+                         const std::optional<at::Tensor>& read_rows) {
+  const int64_t layers = static_cast<int64_t>(keys.size());
+  TORCH_CHECK(values.size() == keys.size() && weights.size() == static_cast<size_t>(7 * layers),
+              "cached_layers: 7 weights and one K and one V cache per layer");
+  const int64_t r = h.size(0), n = h.size(1), d = h.size(2), head_dim = d / n_head;
+  const Norm norm{norm_kernel, eps, at::scalar_tensor(static_cast<double>(d), at::kFloat),
+                  at::scalar_tensor(eps, at::kFloat)};
+  const int64_t span = mask.size(-1);
+  const double scale = std::pow(static_cast<double>(head_dim), -0.5);
+  for (int64_t i = 0; i < layers; ++i) {
+    const std::optional<at::Tensor>* w = &weights[7 * i];  // attention_norm (none: no input norm), wqkv, wo, ffn_norm, w1, w3, w2
+    at::Tensor k_cache = keys[i], v_cache = values[i];
+    // Attention.forward: q and k rotated in one pass, as one complex product per pair (apply_rotary_complex).
+    at::Tensor qkv = at::linear(w[0] ? norm(h, *w[0]) : h, *w[1]);
+    at::Tensor pairs = qkv.slice(-1, 0, 2 * d).view({r, n, 2 * n_head, head_dim}).unflatten(-1, {-1, 2});
+    at::Tensor qk = at::view_as_real(at::view_as_complex(pairs).mul(rope)).flatten(-2);
+    at::Tensor q = qk.slice(2, 0, n_head), k = qk.slice(2, n_head);
+    at::Tensor v = qkv.slice(-1, 2 * d).view({r, n, n_head, head_dim});
+    if (write_kind == 0) {  // every row at slots start .. start + n - 1
+      k_cache.slice(1, start, start + n).copy_(k);
+      v_cache.slice(1, start, start + n).copy_(v);
+    } else if (write_kind == 1) {  // BlockWrite: consecutive slots per row, from write_slots [r]
+      for (auto [cache, x] : {std::pair{&k_cache, &k}, std::pair{&v_cache, &v}}) {
+        at::Tensor storage = cache->transpose(1, 2);
+        if (!storage.is_contiguous() || !write_blocks(storage, *x, *write_rows, *write_slots)) {
+          write_at(*cache, write_rows->unsqueeze(1), write_slots->unsqueeze(1).add(at::arange(n, write_slots->options())), *x);
+        }
+      }
+    } else {  // cache[write_rows [r, 1], write_slots [r, n]] = x
+      write_at(k_cache, *write_rows, *write_slots, k);
+      write_at(v_cache, *write_rows, *write_slots, v);
+    }
+    if (span < k_cache.size(1)) {
+      k_cache = k_cache.slice(1, 0, span);
+      v_cache = v_cache.slice(1, 0, span);
+    }
+    if (read_rows) {  // discrete_ar.gather_rows
+      k_cache = k_cache.transpose(1, 2).index_select(0, *read_rows).transpose(1, 2);
+      v_cache = v_cache.transpose(1, 2).index_select(0, *read_rows).transpose(1, 2);
+    }
+    at::Tensor qt = q.transpose(1, 2), kt = k_cache.transpose(1, 2), vt = v_cache.transpose(1, 2);
+    at::Tensor out;
+    if (attention_kernel) out = decode_attention(qt, kt, vt, mask, scale);
+    if (!out.defined()) out = at::scaled_dot_product_attention(qt, kt, vt, mask);
+    h = h.add(at::linear(out.transpose(1, 2).reshape({r, n, -1}), *w[2]));
+    // FeedForward.forward, in place as there without autograd.
+    at::Tensor x = norm(h, *w[3]);
+    at::Tensor gate = at::linear(x, *w[4]), up = at::linear(x, *w[5]);
+    at::silu_(gate).mul_(up);
+    h = h.add(at::linear(gate, *w[6]));
+  }
+  return h;
+}
