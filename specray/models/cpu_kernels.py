@@ -1,5 +1,6 @@
-"""specray's C++ kernels for the discrete models' decode steps and verify calls on a CPU (``csrc/``): the
-attention of :mod:`~specray.models.decode_attention`, the K/V writes of
+"""specray's C++ kernels for the discrete models' decode steps and verify calls on a CPU (``csrc/``): a model's layers
+in one call (:class:`~specray.models.discrete_ar.FusedLayers`), the attention of
+:mod:`~specray.models.decode_attention`, the K/V writes of
 :class:`~specray.models.discrete_ar.BlockWrite`, the RMSNorm of :mod:`~specray.models.cpu_norm`, the speculative
 rounds' decisions and draws of :mod:`~specray.methods.discrete.cpu_rounds`, the static-tree rounds' decisions,
 children draws (:mod:`~specray.methods.discrete.cpu_tree_rounds`) and K/V moves, the discrete rounds' bookkeeping

@@ -639,7 +639,7 @@ class KVCache:
 class FusedLayers:
     """A model's layers in one call of the C++ extension (``cached_layers``, ``csrc/cached_layers.cpp``): the ATen
     operations :class:`TransformerBlock` runs in eager float32 CPU inference, in the same order on the same
-    arguments, so the same values; at batch 1 a digits target call spends about a third of its time in Python's
+    arguments, so the same values; at batch 1 a digits target call spent about half of its time in Python's
     share of those operations' dispatch. Called as the loop over the layers, with what that loop would choose per
     call (the rotary factor, the mask, :func:`cache_write_index`'s write, the rows read, the attention kernel)."""
 

@@ -59,8 +59,8 @@ struct Norm {
 
 at::Tensor cached_layers(at::Tensor h, const at::Tensor& rope, const at::Tensor& mask,
                          const std::vector<at::Tensor>& keys, const std::vector<at::Tensor>& values,
-                         const std::vector<std::optional<at::Tensor>>& weights, int64_t n_head, double eps, bool norm_kernel,
-                         bool attention_kernel, int64_t write_kind, int64_t start,
+                         const std::vector<std::optional<at::Tensor>>& weights, int64_t n_head, double eps,
+                         bool norm_kernel, bool attention_kernel, int64_t write_kind, int64_t start,
                          const std::optional<at::Tensor>& write_rows, const std::optional<at::Tensor>& write_slots,
                          const std::optional<at::Tensor>& read_rows) {
   const int64_t layers = static_cast<int64_t>(keys.size());
@@ -72,7 +72,8 @@ at::Tensor cached_layers(at::Tensor h, const at::Tensor& rope, const at::Tensor&
   const int64_t span = mask.size(-1);
   const double scale = std::pow(static_cast<double>(head_dim), -0.5);
   for (int64_t i = 0; i < layers; ++i) {
-    const std::optional<at::Tensor>* w = &weights[7 * i];  // attention_norm (none: no input norm), wqkv, wo, ffn_norm, w1, w3, w2
+    // attention_norm (none: an EAGLE head's layer without one), wqkv, wo, ffn_norm, w1, w3, w2
+    const std::optional<at::Tensor>* w = &weights[7 * i];
     at::Tensor k_cache = keys[i], v_cache = values[i];
     // Attention.forward: q and k rotated in one pass, as one complex product per pair (apply_rotary_complex).
     at::Tensor qkv = at::linear(w[0] ? norm(h, *w[0]) : h, *w[1]);
@@ -87,7 +88,8 @@ at::Tensor cached_layers(at::Tensor h, const at::Tensor& rope, const at::Tensor&
       for (auto [cache, x] : {std::pair{&k_cache, &k}, std::pair{&v_cache, &v}}) {
         at::Tensor storage = cache->transpose(1, 2);
         if (!storage.is_contiguous() || !write_blocks(storage, *x, *write_rows, *write_slots)) {
-          write_at(*cache, write_rows->unsqueeze(1), write_slots->unsqueeze(1).add(at::arange(n, write_slots->options())), *x);
+          at::Tensor slots = write_slots->unsqueeze(1).add(at::arange(n, write_slots->options()));
+          write_at(*cache, write_rows->unsqueeze(1), slots, *x);
         }
       }
     } else {  // cache[write_rows [r, 1], write_slots [r, n]] = x
