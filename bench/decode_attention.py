@@ -9,8 +9,8 @@ one call each (:mod:`specray.methods.discrete.cpu_rounds`, ``rounds``), and a ca
 a kept table (:func:`specray.models.discrete_ar.causal_mask`, ``masks``), and a call's layers run in one C++ call
 (:class:`specray.models.discrete_ar.FusedLayers`, ``layers``); ``torch`` is what every call did before
 (``SPECRAY_DECODE_KERNEL=0``, static caches, masks built each call, the Python layers), ``kernels`` turns on those
-given by ``--kernels`` (default all seven); ``--both`` names kernels on in both settings, to measure one on top of the others
-(``--kernels norm --both attention,writes,growing``).
+given by ``--kernels`` (default all seven); ``--both`` names kernels on in both settings, to measure one on top of
+the others (``--kernels norm --both attention,writes,growing``).
 For each batch size and arm (fid50k's: target_only, sd, cool_sd, gamma 4, CFG 1.5, on digits-gpt-target
 with the draft digits-gpt-draft) it prints:
 

@@ -79,7 +79,8 @@ def model():
 @pytest.fixture
 def spans(monkeypatch):
     """The key length of every SDPA call, in order (the decode-attention kernel off, so every call is one; the
-    Python layers, whose calls go through F: the fused layers make the same calls from C++, tests/test_fused_layers.py)."""
+    Python layers, whose calls go through F: the fused layers make the same calls from C++,
+    tests/test_fused_layers.py)."""
     monkeypatch.setattr(decode_attention, "ENABLED", False)
     monkeypatch.setattr(discrete_ar, "FUSED_LAYERS", False)
     recorded = []

@@ -660,9 +660,10 @@ class FusedLayers:
                  attention_kernel: bool = False) -> torch.Tensor:
         if isinstance(write_slots, slice):  # every row at the same slots (cache_write_index)
             kind, start, write_rows, write_slots = 0, write_slots.start, None, None
-        elif isinstance(write_rows, BlockWrite):  # the C++ row copies, or with them switched off the indexed write
-            kind, start, write_rows, write_slots = ((1, 0, write_rows.rows, write_rows.first_slots) if BLOCK_WRITE_KERNEL
-                                                    else (2, 0, write_rows.rows[:, None], write_rows.positions))
+        elif isinstance(write_rows, BlockWrite) and BLOCK_WRITE_KERNEL:  # the C++ row copies
+            kind, start, write_rows, write_slots = 1, 0, write_rows.rows, write_rows.first_slots
+        elif isinstance(write_rows, BlockWrite):  # with the row copies switched off, torch's indexed write
+            kind, start, write_rows, write_slots = 2, 0, write_rows.rows[:, None], write_rows.positions
         else:
             kind, start = 2, 0
         return cpu_kernels.extension().cached_layers(
