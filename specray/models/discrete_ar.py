@@ -671,11 +671,10 @@ class FusedLayers:
             attention_kernel, kind, start, write_rows, write_slots, read_rows)
 
 
-def fused_layers(model: nn.Module, h: torch.Tensor, rope: Any, keys: list[torch.Tensor],
-                 layers: Callable[[], list[nn.Module]] | None = None) -> FusedLayers | None:
-    """``model``'s :class:`FusedLayers` (of ``layers()``, default its ``layers``) where they serve this call
-    (:data:`FUSED_LAYERS`, the extension built, eager float32 inference on a CPU with the complex rotary factor,
-    :func:`complex_rotary_applies`), else None: the Python layers run, with the same values."""
+def fused_layers(model: nn.Module, h: torch.Tensor, rope: Any, keys: list[torch.Tensor]) -> FusedLayers | None:
+    """The :class:`FusedLayers` of ``model.layers`` where they serve this call (:data:`FUSED_LAYERS`, the extension
+    built, eager float32 inference on a CPU with the complex rotary factor, :func:`complex_rotary_applies`), else
+    None: the Python layers run, with the same values."""
     if (not FUSED_LAYERS or not isinstance(rope, torch.Tensor) or h.dtype != torch.float32 or h.device.type != "cpu"
             or keys[0].dtype != torch.float32 or model.training or torch.is_grad_enabled()):
         return None
@@ -683,7 +682,7 @@ def fused_layers(model: nn.Module, h: torch.Tensor, rope: Any, keys: list[torch.
     if fused is None:
         if cpu_kernels.extension() is None:
             return None
-        fused = _FUSED[model] = FusedLayers(list(model.layers) if layers is None else layers())
+        fused = _FUSED[model] = FusedLayers(list(model.layers))
     return fused
 
 

@@ -136,6 +136,11 @@ class EagleHead(nn.Module):
             if getattr(c, name) != getattr(t, name):
                 raise ValueError(f"EAGLE head {name}={getattr(c, name)!r} does not match the target's {getattr(t, name)!r}")
 
+    @property
+    def layers(self) -> list[EagleLayer]:
+        """The head's one layer, listed as a GPT's layers are (what :func:`fused_layers` runs)."""
+        return [self.layer]
+
     def _rotary(self, positions: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         return rotary_at(positions, self.rope_table, self.rope_factors)
 
@@ -168,7 +173,7 @@ class EagleHead(nn.Module):
             rows = torch.arange(tokens.shape[0], device=tokens.device)
         write_rows = (torch.arange(tokens.shape[0], device=tokens.device) if rows is None else rows)[:, None]
         h, rope, mask = self._input(features, tokens), self._rotary(positions), visible[:, None]
-        fused = fused_layers(self, h, rope, cache.keys, lambda: [self.layer])
+        fused = fused_layers(self, h, rope, cache.keys)
         if fused is not None:  # the layer in one C++ call, the same values
             return fused(h, rope, mask, cache.keys, cache.values, rows, write_rows, slots)
         return self.layer(h, rope, mask, (cache.keys[0], cache.values[0], rows, write_rows, slots))
