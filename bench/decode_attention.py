@@ -7,10 +7,11 @@ calls (:meth:`specray.models.discrete_ar.KVCache.reserve`, ``growing``), and the
 each (:mod:`specray.models.cpu_norm`, ``norm``), and the speculative loops' draws and round decisions
 one call each (:mod:`specray.methods.discrete.cpu_rounds`, ``rounds``), and a call's attention mask is rows of
 a kept table (:func:`specray.models.discrete_ar.causal_mask`, ``masks``), and a call's layers run in one C++ call
-(:class:`specray.models.discrete_ar.FusedLayers`, ``layers``); ``torch`` is what every call did before
-(``SPECRAY_DECODE_KERNEL=0``, static caches, masks built each call, the Python layers), ``kernels`` turns on those
-given by ``--kernels`` (default all seven); ``--both`` names kernels on in both settings, to measure one on top of
-the others (``--kernels norm --both attention,writes,growing``).
+(:class:`specray.models.discrete_ar.FusedLayers`, ``layers``), with the work around them in that call too (the
+embedding, rotary and mask lookups, cache lengths, final norm and output layer, ``step``; only with ``layers``);
+``torch`` is what every call did before (``SPECRAY_DECODE_KERNEL=0``, static caches, masks built each call, the
+Python layers), ``kernels`` turns on those given by ``--kernels`` (default all eight); ``--both`` names kernels on
+in both settings, to measure one on top of the others (``--kernels norm --both attention,writes,growing``).
 For each batch size and arm (fid50k's: target_only, sd, cool_sd, gamma 4, CFG 1.5, on digits-gpt-target
 with the draft digits-gpt-draft) it prints:
 
@@ -21,7 +22,8 @@ with the draft digits-gpt-draft) it prints:
   are meant to change no bit: 0).
 
     python bench/decode_attention.py [--batches 1,32,128] [--reps 5] [--samples-b1 4]
-                                     [--kernels attention,writes,growing,norm,rounds,masks,layers] [--both ...]
+                                     [--kernels attention,writes,growing,norm,rounds,masks,layers,step]
+                                     [--both ...]
                                      [--json out.json]
 """
 
@@ -44,7 +46,7 @@ from specray.models import cpu_norm, decode_attention, discrete_ar  # noqa: E402
 KERNELS = {"attention": (decode_attention, "ENABLED"), "writes": (discrete_ar, "BLOCK_WRITE_KERNEL"),
            "growing": (discrete_ar, "GROWING_CACHES"), "norm": (cpu_norm, "ENABLED"),
            "rounds": (cpu_rounds, "ENABLED"), "masks": (discrete_ar, "MASK_TABLES"),
-           "layers": (discrete_ar, "FUSED_LAYERS")}
+           "layers": (discrete_ar, "FUSED_LAYERS"), "step": (discrete_ar, "FUSED_STEP")}
 
 
 def settings(kernels: list[str], both: tuple[str, ...] = ()) -> dict[str, Callable[[], None]]:

@@ -1,7 +1,10 @@
-"""A discrete model's layers in one C++ call (``discrete_ar.FusedLayers``, ``csrc/cached_layers.cpp``) against the
-Python layers: the same logits, hidden states and K/V, call by call, for every way a call writes and reads its cache."""
+"""A discrete model's layers in one C++ call (``discrete_ar.FusedLayers``, ``csrc/cached_layers.cpp``), and a GPT's
+whole cached forward in one (``FusedLayers.step``), against the Python layers: the same logits, hidden states, K/V and
+cache lengths, call by call, for every way a call writes and reads its cache."""
 
 from __future__ import annotations
+
+import types
 
 import pytest
 import torch
@@ -32,7 +35,7 @@ def random_weights(module: torch.nn.Module, seed: int) -> torch.nn.Module:
 def gpt_calls(model: DiscreteGPT) -> tuple[list[torch.Tensor], discrete_ar.KVCache]:
     """A loop's calls on one cache, each output kept: the prefix (every row at slot 0), level steps (slice writes),
     a ragged 4-token verify of every row (a BlockWrite), a ragged step (indexed writes), three rows of the batch
-    (indexed writes, gathered reads) and a tree call over explicit slots and a mask."""
+    (indexed writes, gathered reads), a tree call over explicit slots and a mask, and one with its logits."""
     g = torch.Generator().manual_seed(3)
     labels = torch.randint(0, 10, (ROWS,), generator=g)
     tokens = torch.randint(0, 17, (ROWS, 64), generator=g)
@@ -53,19 +56,24 @@ def gpt_calls(model: DiscreteGPT) -> tuple[list[torch.Tensor], discrete_ar.KVCac
     slots = (lengths[rows] + 7)[:, None] + torch.arange(3)
     visible = torch.arange(32)[None, None, :] <= slots[:, :, None]
     out.append(model.forward_tree(tokens[rows, :3], slots - 1, slots, visible, cache, rows=rows))
+    out.extend(model.forward_tree_logits(tokens[rows, 3:6], slots + 2, slots + 3, visible, cache, rows=rows))
     return out, cache
 
 
-def run_both(calls, monkeypatch) -> tuple[tuple, tuple, list[int]]:
-    """``calls()`` with the fused layers and with the Python layers, and how many calls the fused layers made."""
+def run_both(calls, monkeypatch) -> tuple[tuple, tuple, list[str]]:
+    """``calls()`` with the fused layers and with the Python layers, and the fused calls made: ``layers`` (the layers
+    alone) or the name of the :class:`FusedLayers` method that ran a whole call each."""
     made = []
-    original = FusedLayers.__call__
 
-    def counted(self, *args, **kwargs):
-        made.append(1)
-        return original(self, *args, **kwargs)
+    def counting(name, original):
+        def counted(self, *args, **kwargs):
+            made.append(name)
+            return original(self, *args, **kwargs)
+        return counted
 
-    monkeypatch.setattr(FusedLayers, "__call__", counted)
+    monkeypatch.setattr(FusedLayers, "__call__", counting("layers", FusedLayers.__call__))
+    for name in ("step", "tree_step", "head_step"):
+        monkeypatch.setattr(FusedLayers, name, counting(name, getattr(FusedLayers, name)))
     with torch.inference_mode():
         fused = calls()
         monkeypatch.setattr(discrete_ar, "FUSED_LAYERS", False)
@@ -83,18 +91,21 @@ def assert_same(fused: tuple, python: tuple) -> None:
     assert torch.equal(fused_cache.lengths, python_cache.lengths)
 
 
+@pytest.mark.parametrize("step", [True, False], ids=["step", "layers"])
 @pytest.mark.parametrize("block_copies", [True, False], ids=["cpp-copies", "indexed"])
 @pytest.mark.parametrize("shape", [{"dim": 64, "n_layer": 3, "n_head": 4}, {"dim": 48, "n_layer": 1, "n_head": 2}],
                          ids=["heads-of-16", "heads-of-24"])
-def test_fused_gpt_layers_give_the_python_layers_values(shape, block_copies, monkeypatch):
+def test_fused_gpt_layers_give_the_python_layers_values(shape, block_copies, step, monkeypatch):
     """The digits target's and draft's head sizes (the first where the decode-attention kernel may serve), 3 and 1
-    layers, random weights, the BlockWrite's C++ row copies on and off: every call's logits (tree call: hidden
-    states) and every K/V slot equal bit for bit, the fused layers having made all 14 calls. Negative control:
-    fused layers with w1 and w3 swapped differ."""
+    layers, random weights, the BlockWrite's C++ row copies on and off, the whole call in one (``step``: the 13
+    cached forwards, the tree call with its logits) or the layers alone: every call's logits (tree calls: hidden
+    states too), every K/V slot and the cache lengths equal bit for bit, the fused calls having made all 15 calls.
+    Negative control: fused layers with w1 and w3 swapped differ."""
     monkeypatch.setattr(discrete_ar, "BLOCK_WRITE_KERNEL", block_copies)
+    monkeypatch.setattr(discrete_ar, "FUSED_STEP", step)
     model = random_weights(DiscreteGPT(GPTConfig(**shape)), seed=1)
     fused, python, made = run_both(lambda: gpt_calls(model), monkeypatch)
-    assert len(made) == 14
+    assert made == (["step"] * 13 + ["layers", "tree_step"] if step else ["layers"] * 15)
     assert_same(fused, python)
 
     swapped = FusedLayers(list(model.layers))
@@ -106,8 +117,29 @@ def test_fused_gpt_layers_give_the_python_layers_values(shape, block_copies, mon
     assert not torch.equal(wrong[1], python[0][1])
 
 
-def head_calls(head: EagleHead) -> tuple[list[torch.Tensor], discrete_ar.KVCache]:
-    """An EAGLE head's cached calls: every row, 3 tokens at ragged slots with a causal mask; then two of the rows."""
+def test_a_fused_step_reading_the_wrong_rotary_rows_differs(monkeypatch):
+    """Negative control for the step's own lookups: a step reading each position's rotary factors one row off (its
+    table rolled by a row) gives other logits than the Python layers at the first decode step."""
+    model = random_weights(DiscreteGPT(GPTConfig(dim=48, n_layer=1, n_head=2)), seed=1)
+    original = FusedLayers.step
+
+    def rolled(self, model, *args, **kwargs):
+        shifted = types.SimpleNamespace(tok_embeddings=model.tok_embeddings, rope_table=model.rope_table.roll(1, 0),
+                                        norm=model.norm, output=model.output)
+        return original(self, shifted, *args, **kwargs)
+
+    monkeypatch.setattr(discrete_ar, "FUSED_LAYERS", False)
+    with torch.inference_mode():
+        python, _ = gpt_calls(model)
+        monkeypatch.setattr(discrete_ar, "FUSED_LAYERS", True)
+        monkeypatch.setattr(FusedLayers, "step", rolled)
+        wrong, _ = gpt_calls(model)
+    assert not torch.equal(wrong[1], python[1])
+
+
+def head_calls(head: EagleHead, target: DiscreteGPT | None = None) -> tuple[list[torch.Tensor], discrete_ar.KVCache]:
+    """An EAGLE head's cached calls: every row, 3 tokens at ragged slots with a causal mask; then two of the rows.
+    With a ``target``: the same calls with their logits by its output layer."""
     g = torch.Generator().manual_seed(4)
     cache = head.new_cache(ROWS, 40)
     starts = torch.randint(1, 20, (ROWS, 1), generator=g)
@@ -119,18 +151,24 @@ def head_calls(head: EagleHead) -> tuple[list[torch.Tensor], discrete_ar.KVCache
             torch.arange(cache.keys[0].shape[1]) >= 1)
         features = torch.randn(r, n, head.config.dim, generator=g)
         tokens = torch.randint(0, 17, (r, n), generator=g)
-        out.append(head.forward_cached(features, tokens, slots, slots, visible, cache, rows=rows))
+        if target is None:
+            out.append(head.forward_cached(features, tokens, slots, slots, visible, cache, rows=rows))
+        else:
+            out.extend(head.forward_cached_logits(features, tokens, slots, slots, visible, cache, target, rows=rows))
     return out, cache
 
 
+@pytest.mark.parametrize("logits", [False, True], ids=["layer", "with-logits"])
 @pytest.mark.parametrize("input_norm", [False, True], ids=["eagle1", "input-norm"])
-def test_fused_head_layer_gives_the_python_layers_values(input_norm, monkeypatch):
-    """An EAGLE head's layer (with and without its input norm, a bool mask, indexed writes): the same predictions
-    and K/V, both calls fused."""
+def test_fused_head_layer_gives_the_python_layers_values(input_norm, logits, monkeypatch):
+    """An EAGLE head's layer (with and without its input norm, a bool mask, indexed writes), alone and with its
+    input layer and the target's output layer in the same call: the same predictions, logits and K/V, both calls
+    fused."""
     head = random_weights(EagleHead(EagleHeadConfig(vocab_size=17, dim=64, n_head=4, ffn_hidden=192, grid_size=8,
                                                     input_norm=input_norm)), seed=2)
-    fused, python, made = run_both(lambda: head_calls(head), monkeypatch)
-    assert len(made) == 2
+    target = random_weights(DiscreteGPT(GPTConfig(dim=64, n_layer=1, n_head=4)), seed=5) if logits else None
+    fused, python, made = run_both(lambda: head_calls(head, target), monkeypatch)
+    assert made == ["head_step" if logits else "layers"] * 2
     assert_same(fused, python)
 
 

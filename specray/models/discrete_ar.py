@@ -78,6 +78,10 @@ GROWING_CACHES = True
 # Whether an eager CPU call runs its layers in one call of the C++ extension where it is built (fused_layers: the
 # same ATen operations without Python's share of their dispatch; False: the Python layers, for A/B).
 FUSED_LAYERS = True
+# Whether such a call of a GPT's cached forward also does the work around its layers in that C++ call (the
+# embedding, rotary and mask lookups, the cache lengths, the final norm and the output layer: a third of a
+# batch-1 draft step's time in Python; False: those in Python around the fused layers, for A/B).
+FUSED_STEP = True
 
 
 @dataclass(frozen=True)
@@ -387,9 +391,17 @@ def causal_mask(positions: torch.Tensor, span: int, slots: int, dtype: torch.dty
     """The additive mask ``[r, 1, n, span]`` of queries at ``positions [r, n]`` (each below ``slots``) that see
     every slot up to their own: on a CPU, rows of a table kept per (span, slots), one lookup a call where building
     it takes four operations (7.5 us of a batch-1 draft call's 160); the same values."""
-    if not MASK_TABLES or positions.device.type != "cpu" or span * slots > MASK_TABLE_MAX_ELEMENTS:
+    table = causal_mask_table(positions, span, slots, dtype)
+    if table is None:
         return additive_mask(causal_bool_mask(positions, span), dtype)
-    return F.embedding(positions, _mask_table(span, slots, dtype))[:, None]
+    return F.embedding(positions, table)[:, None]
+
+
+def causal_mask_table(positions: torch.Tensor, span: int, slots: int, dtype: torch.dtype) -> torch.Tensor | None:
+    """The table :func:`causal_mask` reads its rows from, or None where it builds the mask."""
+    if not MASK_TABLES or positions.device.type != "cpu" or span * slots > MASK_TABLE_MAX_ELEMENTS:
+        return None
+    return _mask_table(span, slots, dtype)
 
 
 def explicit_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor) -> torch.Tensor:
@@ -658,25 +670,71 @@ class FusedLayers:
     def __call__(self, h: torch.Tensor, rope: torch.Tensor, mask: torch.Tensor, keys: list[torch.Tensor],
                  values: list[torch.Tensor], read_rows: torch.Tensor | None, write_rows: Any, write_slots: Any,
                  attention_kernel: bool = False) -> torch.Tensor:
-        if isinstance(write_slots, slice):  # every row at the same slots (cache_write_index)
-            kind, start, write_rows, write_slots = 0, write_slots.start, None, None
-        elif isinstance(write_rows, BlockWrite) and BLOCK_WRITE_KERNEL:  # the C++ row copies
-            kind, start, write_rows, write_slots = 1, 0, write_rows.rows, write_rows.first_slots
-        elif isinstance(write_rows, BlockWrite):  # with the row copies switched off, torch's indexed write
-            kind, start, write_rows, write_slots = 2, 0, write_rows.rows[:, None], write_rows.positions
-        else:
-            kind, start = 2, 0
         return cpu_kernels.extension().cached_layers(
             h, rope, mask, keys, values, self.weights, self.n_head, self.eps, cpu_norm.kernel(self.width) is not None,
-            attention_kernel, kind, start, write_rows, write_slots, read_rows)
+            attention_kernel, *self._write(write_rows, write_slots), read_rows)
+
+    def step(self, model: "DiscreteGPT", inputs: torch.Tensor, embedded: bool, positions: torch.Tensor,
+             mask: torch.Tensor, mask_is_table: bool, keys: list[torch.Tensor], values: list[torch.Tensor],
+             rows: torch.Tensor | None, write_rows: Any, write_slots: Any, lengths: torch.Tensor,
+             attention_kernel: bool) -> torch.Tensor:
+        """:meth:`DiscreteGPT._cached_layers` in one call (``cached_step``): the layers as :meth:`__call__` runs
+        them, and around them the embedding of the image tokens ``inputs`` (unless ``embedded``), the rotary factors
+        and the mask (``mask_is_table``: :func:`causal_mask_table`'s table) read at the ``positions``, the cache
+        ``lengths`` of the ``rows`` set, the final norm and the output layer; the logits."""
+        return cpu_kernels.extension().cached_step(
+            inputs, None if embedded else model.tok_embeddings.weight, positions, model.rope_table, mask,
+            mask_is_table, keys, values, self.weights, self.n_head, self.eps, cpu_norm.kernel(self.width) is not None,
+            attention_kernel, *self._write(write_rows, write_slots), rows, lengths, model.norm.weight, model.norm.eps,
+            model.output.weight)
+
+    def tree_step(self, model: "DiscreteGPT", inputs: torch.Tensor, embedded: bool, positions: torch.Tensor,
+                  visible: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor],
+                  rows: torch.Tensor | None, write_rows: torch.Tensor, slots: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`DiscreteGPT.forward_tree_logits` in one call (``tree_step``): the embedding (unless ``embedded``),
+        the rotary factors, the additive mask of ``visible``, the layers, the final norm and the output layer."""
+        return cpu_kernels.extension().tree_step(
+            inputs, None if embedded else model.tok_embeddings.weight, positions, model.rope_table, visible, keys,
+            values, self.weights, self.n_head, self.eps, cpu_norm.kernel(self.width) is not None, write_rows, slots,
+            rows, model.norm.weight, model.norm.eps, model.output.weight)
+
+    def head_step(self, head: nn.Module, features: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
+                  visible: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor],
+                  rows: torch.Tensor | None, write_rows: torch.Tensor, slots: torch.Tensor,
+                  output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """An EAGLE head's :meth:`~specray.models.eagle_head.EagleHead.forward_cached_logits` in one call
+        (``head_step``): its input layer on the embedded ``tokens`` and the ``features``, the rotary factors, its
+        layer under the bool mask ``visible`` and the logits by ``output`` (the target's output layer)."""
+        return cpu_kernels.extension().head_step(
+            tokens, features, head.embed_tokens.weight, head.fc.weight, head.fc.bias, positions, head.rope_table,
+            visible, keys, values, self.weights, self.n_head, self.eps, cpu_norm.kernel(self.width) is not None,
+            write_rows, slots, rows, output)
+
+    @staticmethod
+    def _write(write_rows: Any, write_slots: Any) -> tuple[int, int, torch.Tensor | None, torch.Tensor | None]:
+        """``(kind, start, rows, slots)`` of the C++ K/V write for :func:`cache_write_index`'s choice."""
+        if isinstance(write_slots, slice):  # every row at the same slots
+            return 0, write_slots.start, None, None
+        if isinstance(write_rows, BlockWrite) and BLOCK_WRITE_KERNEL:  # the C++ row copies
+            return 1, 0, write_rows.rows, write_rows.first_slots
+        if isinstance(write_rows, BlockWrite):  # with the row copies switched off, torch's indexed write
+            return 2, 0, write_rows.rows[:, None], write_rows.positions
+        return 2, 0, write_rows, write_slots
 
 
 def fused_layers(model: nn.Module, h: torch.Tensor, rope: Any, keys: list[torch.Tensor]) -> FusedLayers | None:
     """The :class:`FusedLayers` of ``model.layers`` where they serve this call (:data:`FUSED_LAYERS`, the extension
     built, eager float32 inference on a CPU with the complex rotary factor, :func:`complex_rotary_applies`), else
-    None: the Python layers run, with the same values."""
-    if (not FUSED_LAYERS or not isinstance(rope, torch.Tensor) or h.dtype != torch.float32 or h.device.type != "cpu"
-            or keys[0].dtype != torch.float32 or model.training or torch.is_grad_enabled()):
+    None: the Python layers run, with the same values. ``h``: the layers' input (its dtype and device count)."""
+    return fused_layers_of(model, h, keys) if isinstance(rope, torch.Tensor) else None
+
+
+def fused_layers_of(model: nn.Module, x: torch.Tensor, keys: list[torch.Tensor]) -> FusedLayers | None:
+    """:func:`fused_layers` for a call whose rotary factor is complex (the caller checked), with ``x`` of the
+    layers' input dtype and device."""
+    if (not FUSED_LAYERS or x.dtype != torch.float32 or x.device.type != "cpu" or keys[0].dtype != torch.float32
+            or model.training or torch.is_grad_enabled()):
         return None
     fused = _FUSED.get(model)
     if fused is None:
@@ -837,8 +895,11 @@ class DiscreteGPT(nn.Module):
             return self.compiled_decode(tokens, positions, cache.keys, cache.values, cache.lengths)
         if rows is None and prefix is False:  # the layers check the positions (attention_span)
             return self.decode_all_rows(tokens, positions, cache.keys, cache.values, cache.lengths, checked)
-        return self._cached_layers(self._embed(tokens, positions) if prefix is not False else self._embed_image(tokens),
-                                   positions, cache.keys, cache.values, cache.lengths, rows, checked=checked)
+        if prefix is not False:
+            return self._cached_layers(self._embed(tokens, positions), positions, cache.keys, cache.values,
+                                       cache.lengths, rows, checked=checked)
+        return self._cached_layers(tokens, positions, cache.keys, cache.values, cache.lengths, rows, checked=checked,
+                                   embedded=False)
 
     def decode_all_rows(self, tokens: torch.Tensor, positions: torch.Tensor, keys: list[torch.Tensor],
                         values: list[torch.Tensor], lengths: torch.Tensor, checked: int | None = None) -> torch.Tensor:
@@ -846,19 +907,31 @@ class DiscreteGPT(nn.Module):
         of the loops, written so that ``torch.compile(fullgraph=True)`` captures it whole
         (:mod:`specray.models.compiled`): fixed shapes, K/V written at the rows' positions in the
         static cache, no host sync. ``checked``: the largest position, checked (:meth:`KVCache.reserve`)."""
-        return self._cached_layers(self._embed_image(tokens), positions, keys, values, lengths, None,
-                                   compiled=torch.compiler.is_compiling(), checked=checked)
+        return self._cached_layers(tokens, positions, keys, values, lengths, None,
+                                   compiled=torch.compiler.is_compiling(), checked=checked, embedded=False)
 
     def _embed_image(self, tokens: torch.Tensor) -> torch.Tensor:
         return F.embedding(tokens.clamp(0, self.config.vocab_size - 1), self.tok_embeddings.weight)
 
-    def _cached_layers(self, h: torch.Tensor, positions: torch.Tensor, keys: list[torch.Tensor],
+    def _cached_layers(self, inputs: torch.Tensor, positions: torch.Tensor, keys: list[torch.Tensor],
                        values: list[torch.Tensor], lengths: torch.Tensor, rows: torch.Tensor | None,
-                       compiled: bool = False, checked: int | None = None) -> torch.Tensor:
-        """The layers over the cache from the embedded inputs ``h [r, n, D]``; logits ``[r, n, V]`` float32.
-        ``checked``: the largest position if the caller checked it (:func:`attention_span`)."""
+                       compiled: bool = False, checked: int | None = None, embedded: bool = True) -> torch.Tensor:
+        """The layers over the cache from the embedded inputs ``h [r, n, D]`` (``embedded=False``: from the image
+        tokens ``[r, n]``); logits ``[r, n, V]`` float32. ``checked``: the largest position if the caller checked it
+        (:func:`attention_span`)."""
         # Refuses positions past the cache; a query past max_seq_len is padding (attention_span).
         span = attention_span(positions, keys[0].shape[1], "position", fed=self.max_seq_len, checked=checked)
+        like = inputs if embedded else self.tok_embeddings.weight  # the layers' input dtype and device
+        write_rows, write_slots = cache_write_index(positions, rows, head_major=True)
+        fused = None if compiled or not complex_rotary_applies(self.rope_table) else fused_layers_of(self, like, keys)
+        if fused is not None and FUSED_STEP:  # the whole forward in one C++ call, the same values
+            attend = decode_attention.attention_for(like, self.config.head_dim, positions.shape[1], span)
+            table = causal_mask_table(positions, span, keys[0].shape[1], like.dtype)
+            mask = causal_mask(positions, span, keys[0].shape[1], like.dtype) if table is None else table
+            kernel = attend is not F.scaled_dot_product_attention
+            return fused.step(self, inputs, embedded, positions, mask, table is not None, keys, values, rows,
+                              write_rows, write_slots, lengths, attention_kernel=kernel)
+        h = inputs if embedded else self._embed_image(inputs)
         rope = self._rotary(positions)
         if compiled:
             mask = causal_bool_mask(positions, span)
@@ -866,8 +939,6 @@ class DiscreteGPT(nn.Module):
         else:
             mask = causal_mask(positions, span, keys[0].shape[1], h.dtype)
             attend = decode_attention.attention_for(h, self.config.head_dim, h.shape[1], span)
-        write_rows, write_slots = cache_write_index(positions, rows, head_major=True)
-        fused = None if compiled else fused_layers(self, h, rope, keys)
         if fused is not None:
             h = fused(h, rope, mask, keys, values, rows, write_rows, write_slots,
                       attention_kernel=attend is not F.scaled_dot_product_attention)
@@ -947,10 +1018,7 @@ class DiscreteGPT(nn.Module):
         ``visible`` may cover only the cache's first ``S <= max_len`` slots (attention then reads only
         those; :func:`attention_span` of the call's slots gives the whole cache's bits on a CPU).
         """
-        if rows is None and tokens.shape[0] != cache.rows:
-            rows = torch.arange(tokens.shape[0], device=tokens.device)
-        if cache.reserve(slots, visible.shape[-1], "slot") is None:  # a static cache: reserve checked nothing
-            _check_slots("slot", slots, cache.max_len)
+        rows = self._tree_rows(tokens, slots, visible, cache, rows)
         if prefix:
             h = self._embed(tokens, positions)
         else:
@@ -964,6 +1032,37 @@ class DiscreteGPT(nn.Module):
         for i, layer in enumerate(self.layers):
             h = layer(h, rope, mask, (cache.keys[i], cache.values[i], rows, write_rows, slots))
         return self.norm(h)
+
+    def forward_tree_logits(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        slots: torch.Tensor,
+        visible: torch.Tensor,
+        cache: KVCache,
+        rows: torch.Tensor | None = None,
+        prefix: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`forward_tree`'s hidden states and their logits ``[r, n, V]`` float32 (``self.output``): in one C++
+        call where the fused layers serve it (:data:`FUSED_STEP`), the same values."""
+        fused = (fused_layers_of(self, self.tok_embeddings.weight, cache.keys)
+                 if FUSED_STEP and complex_rotary_applies(self.rope_table) else None)
+        if fused is None:
+            hidden = self.forward_tree(tokens, positions, slots, visible, cache, rows, prefix)
+            return hidden, self.output(hidden).float()
+        rows = self._tree_rows(tokens, slots, visible, cache, rows)
+        write_rows = (torch.arange(tokens.shape[0], device=tokens.device) if rows is None else rows)[:, None]
+        return fused.tree_step(self, self._embed(tokens, positions) if prefix else tokens, prefix, positions, visible,
+                               cache.keys, cache.values, rows, write_rows, slots)
+
+    def _tree_rows(self, tokens: torch.Tensor, slots: torch.Tensor, visible: torch.Tensor, cache: KVCache,
+                   rows: torch.Tensor | None) -> torch.Tensor | None:
+        """A tree call's cache rows (:meth:`forward_step`'s default), its slots checked and the cache grown to them."""
+        if rows is None and tokens.shape[0] != cache.rows:
+            rows = torch.arange(tokens.shape[0], device=tokens.device)
+        if cache.reserve(slots, visible.shape[-1], "slot") is None:  # a static cache: reserve checked nothing
+            _check_slots("slot", slots, cache.max_len)
+        return rows
 
 
 # ---- loading ------------------------------------------------------------------------------

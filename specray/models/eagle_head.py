@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specray.models import discrete_ar
 from specray.models.configs import dataclass_from_dict
 from specray.models.discrete_ar import (
     PREFIX_ROPE_MODES,
@@ -36,7 +37,9 @@ from specray.models.discrete_ar import (
     FeedForward,
     KVCache,
     RMSNorm,
+    complex_rotary_applies,
     fused_layers,
+    fused_layers_of,
     kv_slots,
     register_rotary_tables,
     rotary_at,
@@ -177,6 +180,24 @@ class EagleHead(nn.Module):
         if fused is not None:  # the layer in one C++ call, the same values
             return fused(h, rope, mask, cache.keys, cache.values, rows, write_rows, slots)
         return self.layer(h, rope, mask, (cache.keys[0], cache.values[0], rows, write_rows, slots))
+
+    def forward_cached_logits(self, features: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
+                              slots: torch.Tensor, visible: torch.Tensor, cache: KVCache, target: DiscreteGPT,
+                              rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`forward_cached`'s predictions and their logits by the ``target``'s output layer
+        (:func:`head_logits`): in one C++ call where the fused layers serve it
+        (:data:`~specray.models.discrete_ar.FUSED_STEP`), the same values."""
+        serves = (discrete_ar.FUSED_STEP and complex_rotary_applies(self.rope_table)
+                  and features.dtype == torch.float32)
+        fused = fused_layers_of(self, self.fc.weight, cache.keys) if serves else None
+        if fused is None:
+            predicted = self.forward_cached(features, tokens, positions, slots, visible, cache, rows)
+            return predicted, head_logits(target, predicted)
+        if rows is None and tokens.shape[0] != cache.rows:
+            rows = torch.arange(tokens.shape[0], device=tokens.device)
+        write_rows = (torch.arange(tokens.shape[0], device=tokens.device) if rows is None else rows)[:, None]
+        return fused.head_step(self, features, tokens, positions, visible, cache.keys, cache.values, rows, write_rows,
+                               slots, target.output.weight)
 
 
 def head_logits(target: DiscreteGPT, features: torch.Tensor) -> torch.Tensor:

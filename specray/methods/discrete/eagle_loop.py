@@ -55,7 +55,7 @@ from specray.methods.discrete.tree_rules import TREE_RULES, tree_index, tree_ver
 from specray.methods.discrete.trees import StaticTree, resolve_tree
 from specray.models import cpu_kernels
 from specray.models.discrete_ar import DiscreteGPT, KVCache, attention_span, kv_slots
-from specray.models.eagle_head import EagleHead, head_logits
+from specray.models.eagle_head import EagleHead
 from specray.models.pair import ModelPair
 
 
@@ -126,9 +126,9 @@ class TargetStream(_Streams):
             fed = torch.cat([tokens, uncond])
         if not paired:
             positions, slots, visible = self.both(positions), self.both(slots), self.both(visible)
-        hidden = self.model.forward_tree(fed, positions, slots, visible, self.cache, rows=self.cache_rows(idx),
-                                         prefix=prefix)
-        return self.process(self.model.output(hidden).float()), hidden
+        hidden, logits = self.model.forward_tree_logits(fed, positions, slots, visible, self.cache,
+                                                        rows=self.cache_rows(idx), prefix=prefix)
+        return self.process(logits), hidden
 
     def keep_features(self, idx: torch.Tensor, slots: torch.Tensor, hidden: torch.Tensor, paired: bool = False) -> None:
         """Store hidden states ``[rows, k, D]`` at ``slots [r, k]`` of the samples ``idx`` (``[rows, k]`` if ``paired``)."""
@@ -168,9 +168,9 @@ class HeadStream(_Streams):
         self.calls += 1
         if not paired:
             positions, slots, visible = self.both(positions), self.both(slots), self.both(visible)
-        predicted = self.head.forward_cached(features, self.both(tokens), positions, slots, visible, self.cache,
-                                             rows=self.cache_rows(idx))
-        return self.process(head_logits(self.target, predicted)), predicted
+        predicted, logits = self.head.forward_cached_logits(features, self.both(tokens), positions, slots, visible,
+                                                            self.cache, self.target, rows=self.cache_rows(idx))
+        return self.process(logits), predicted
 
 
 def _causal(positions: torch.Tensor, span: int, first: int = 0) -> torch.Tensor:

@@ -20,6 +20,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("draw_children", &draw_children, "a tree level's children draws with the values of torch's operations");
   m.def("cached_layers", &cached_layers, "a discrete GPT's layers over its CPU KV cache with the values of torch's "
         "operations");
+  m.def("cached_step", &cached_step, "a discrete GPT's cached forward from its inputs to its logits with the values "
+        "of torch's operations");
+  m.def("tree_step", &tree_step, "a discrete GPT's tree call and its logits with the values of torch's operations");
+  m.def("head_step", &head_step, "an EAGLE head's cached call and its logits with the values of torch's operations");
   m.def("write_blocks", &write_blocks, "K/V of consecutive positions per row into a head-major CPU cache");
   m.def("move_slots", &move_slots, "K/V slots moved within a head-major CPU cache, every layer at once");
   m.def("chain_plan", &chain_plan, "a draft GPT's round's positions and uniforms, every row taking part");

@@ -9,6 +9,9 @@
 
 #include <ATen/ops/add.h>
 #include <ATen/ops/arange.h>
+#include <ATen/ops/cat.h>
+#include <ATen/ops/embedding.h>
+#include <ATen/ops/index.h>
 #include <ATen/ops/index_select.h>
 #include <ATen/ops/index_put.h>
 #include <ATen/ops/linear.h>
@@ -20,8 +23,10 @@
 #include <ATen/ops/sum.h>
 #include <ATen/ops/view_as_complex.h>
 #include <ATen/ops/view_as_real.h>
+#include <ATen/ops/where.h>
 
 #include <cmath>
+#include <limits>
 #include <vector>
 
 namespace {
@@ -116,4 +121,83 @@ at::Tensor cached_layers(at::Tensor h, const at::Tensor& rope, const at::Tensor&
     h = h.add(at::linear(gate, *w[6]));
   }
   return h;
+}
+
+namespace {
+
+// DiscreteGPT._embed_image: the image tokens' rows of the embedding (a token past the vocabulary reads its last).
+at::Tensor embed_image(const at::Tensor& tokens, const at::Tensor& embedding) {
+  return at::embedding(embedding, tokens.clamp(0, embedding.size(0) - 1));
+}
+
+// rotary_at: the table's rows at the positions (its last row past its end), as complex factors [r, n, 1, hd / 2].
+at::Tensor rotary_rows(const at::Tensor& positions, const at::Tensor& table) {
+  c10::List<std::optional<at::Tensor>> index;
+  index.push_back(positions.clamp(0, table.size(0) - 1));
+  return at::view_as_complex(table.index(index)).unsqueeze(2);
+}
+
+// RMSNorm.forward in CPU inference (cpu_norm.rms_norm) over rows of h.
+at::Tensor final_norm(const at::Tensor& h, const at::Tensor& weight, double eps, bool kernel) {
+  const Norm norm{kernel, eps, at::scalar_tensor(static_cast<double>(h.size(-1)), at::kFloat),
+                  at::scalar_tensor(eps, at::kFloat)};
+  return norm(h, weight);
+}
+
+}  // namespace
+
+at::Tensor cached_step(const at::Tensor& inputs, const std::optional<at::Tensor>& embedding,
+                       const at::Tensor& positions, const at::Tensor& rope_table, const at::Tensor& mask,
+                       bool mask_is_table, const std::vector<at::Tensor>& keys, const std::vector<at::Tensor>& values,
+                       const std::vector<std::optional<at::Tensor>>& weights, int64_t n_head, double eps,
+                       bool norm_kernel, bool attention_kernel, int64_t write_kind, int64_t start,
+                       const std::optional<at::Tensor>& write_rows, const std::optional<at::Tensor>& write_slots,
+                       const std::optional<at::Tensor>& read_rows, at::Tensor lengths, const at::Tensor& norm_weight,
+                       double norm_eps, const at::Tensor& output) {
+  at::Tensor h = embedding ? embed_image(inputs, *embedding) : inputs;
+  // causal_mask: the rows of its table at the positions, [r, 1, n, span].
+  at::Tensor attend = mask_is_table ? at::embedding(mask, positions).unsqueeze(1) : mask;
+  h = cached_layers(h, rotary_rows(positions, rope_table), attend, keys, values, weights, n_head, eps, norm_kernel,
+                    attention_kernel, write_kind, start, write_rows, write_slots, read_rows);
+  // The rows' cache lengths: their last position + 1.
+  at::Tensor next = positions.select(1, -1).add(1);
+  if (read_rows) {
+    c10::List<std::optional<at::Tensor>> at_rows;
+    at_rows.push_back(*read_rows);
+    lengths.index_put_(at_rows, next);
+  } else {
+    lengths.copy_(next);
+  }
+  return at::linear(final_norm(h, norm_weight, norm_eps, norm_kernel), output);
+}
+
+std::tuple<at::Tensor, at::Tensor> tree_step(
+    const at::Tensor& inputs, const std::optional<at::Tensor>& embedding, const at::Tensor& positions,
+    const at::Tensor& rope_table, const at::Tensor& visible, const std::vector<at::Tensor>& keys,
+    const std::vector<at::Tensor>& values, const std::vector<std::optional<at::Tensor>>& weights, int64_t n_head,
+    double eps, bool norm_kernel, const at::Tensor& write_rows, const at::Tensor& write_slots,
+    const std::optional<at::Tensor>& read_rows, const at::Tensor& norm_weight, double norm_eps,
+    const at::Tensor& output) {
+  at::Tensor h = embedding ? embed_image(inputs, *embedding) : inputs;
+  // additive_mask: 0 where a query may attend, -inf elsewhere, float32 (torch.where's dtype for two floats).
+  at::Tensor mask = at::where(visible.unsqueeze(1), 0.0, -std::numeric_limits<double>::infinity());
+  h = cached_layers(h, rotary_rows(positions, rope_table), mask, keys, values, weights, n_head, eps, norm_kernel,
+                    /*attention_kernel=*/false, /*write_kind=*/2, 0, write_rows, write_slots, read_rows);
+  at::Tensor hidden = final_norm(h, norm_weight, norm_eps, norm_kernel);
+  return {hidden, at::linear(hidden, output)};
+}
+
+std::tuple<at::Tensor, at::Tensor> head_step(
+    const at::Tensor& tokens, const at::Tensor& features, const at::Tensor& embedding, const at::Tensor& fc_weight,
+    const std::optional<at::Tensor>& fc_bias, const at::Tensor& positions, const at::Tensor& rope_table,
+    const at::Tensor& visible, const std::vector<at::Tensor>& keys, const std::vector<at::Tensor>& values,
+    const std::vector<std::optional<at::Tensor>>& weights, int64_t n_head, double eps, bool norm_kernel,
+    const at::Tensor& write_rows, const at::Tensor& write_slots, const std::optional<at::Tensor>& read_rows,
+    const at::Tensor& output) {
+  // EagleHead._input: fc([embed(tokens), features]).
+  at::Tensor h = at::linear(at::cat({embed_image(tokens, embedding), features}, -1), fc_weight, fc_bias);
+  at::Tensor predicted = cached_layers(h, rotary_rows(positions, rope_table), visible.unsqueeze(1), keys, values,
+                                       weights, n_head, eps, norm_kernel, /*attention_kernel=*/false,
+                                       /*write_kind=*/2, 0, write_rows, write_slots, read_rows);
+  return {predicted, at::linear(predicted, output)};
 }
