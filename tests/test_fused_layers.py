@@ -1,6 +1,6 @@
-"""A discrete model's layers in one C++ call (``discrete_ar.FusedLayers``, ``csrc/cached_layers.cpp``), and a GPT's
-whole cached forward in one (``FusedLayers.step``), against the Python layers: the same logits, hidden states, K/V and
-cache lengths, call by call, for every way a call writes and reads its cache."""
+"""A discrete model's layers in one C++ call (``discrete_ar.FusedLayers``, ``csrc/cached_layers.cpp``), and whole
+calls in one (``FusedLayers.step``, ``tree_step``, ``head_step``), against the Python layers: the same logits, hidden
+states, K/V and cache lengths, call by call, for every way a call writes and reads its cache."""
 
 from __future__ import annotations
 

@@ -285,6 +285,15 @@ def cpu_attention_slots(needed: int) -> int:
     return start + (tail if tail <= ATTENTION_SPAN_SHORT else ATTENTION_SPAN_BLOCK)
 
 
+def call_rows(tokens: torch.Tensor, cache: "KVCache", rows: torch.Tensor | None
+              ) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """The cache rows a call over explicit slots reads (``rows``; by default all, or the first ``r`` where it feeds
+    fewer rows than the cache has) and the row column ``[r, 1]`` its K/V writes index."""
+    if rows is None and tokens.shape[0] != cache.rows:
+        rows = torch.arange(tokens.shape[0], device=tokens.device)
+    return rows, (torch.arange(tokens.shape[0], device=tokens.device) if rows is None else rows)[:, None]
+
+
 def cache_write_index(positions: torch.Tensor, rows: torch.Tensor | None,
                       head_major: bool = False) -> tuple[torch.Tensor | slice | BlockWrite, torch.Tensor | slice]:
     """Where a call writes its K/V: ``[rows, positions]`` as index tensors (rows default to all).
@@ -1018,13 +1027,12 @@ class DiscreteGPT(nn.Module):
         ``visible`` may cover only the cache's first ``S <= max_len`` slots (attention then reads only
         those; :func:`attention_span` of the call's slots gives the whole cache's bits on a CPU).
         """
-        rows = self._tree_rows(tokens, slots, visible, cache, rows)
+        rows, write_rows = self._tree_rows(tokens, slots, visible, cache, rows)
         if prefix:
             h = self._embed(tokens, positions)
         else:
             h = self._embed_image(tokens)
         rope = self._rotary(positions)
-        write_rows = (torch.arange(tokens.shape[0], device=tokens.device) if rows is None else rows)[:, None]
         mask = additive_mask(visible[:, None], h.dtype)
         fused = fused_layers(self, h, rope, cache.keys)
         if fused is not None:
@@ -1050,19 +1058,16 @@ class DiscreteGPT(nn.Module):
         if fused is None:
             hidden = self.forward_tree(tokens, positions, slots, visible, cache, rows, prefix)
             return hidden, self.output(hidden).float()
-        rows = self._tree_rows(tokens, slots, visible, cache, rows)
-        write_rows = (torch.arange(tokens.shape[0], device=tokens.device) if rows is None else rows)[:, None]
+        rows, write_rows = self._tree_rows(tokens, slots, visible, cache, rows)
         return fused.tree_step(self, self._embed(tokens, positions) if prefix else tokens, prefix, positions, visible,
                                cache.keys, cache.values, rows, write_rows, slots)
 
     def _tree_rows(self, tokens: torch.Tensor, slots: torch.Tensor, visible: torch.Tensor, cache: KVCache,
-                   rows: torch.Tensor | None) -> torch.Tensor | None:
-        """A tree call's cache rows (:meth:`forward_step`'s default), its slots checked and the cache grown to them."""
-        if rows is None and tokens.shape[0] != cache.rows:
-            rows = torch.arange(tokens.shape[0], device=tokens.device)
+                   rows: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """A tree call's :func:`call_rows`, its slots checked and the cache grown to them."""
         if cache.reserve(slots, visible.shape[-1], "slot") is None:  # a static cache: reserve checked nothing
             _check_slots("slot", slots, cache.max_len)
-        return rows
+        return call_rows(tokens, cache, rows)
 
 
 # ---- loading ------------------------------------------------------------------------------

@@ -37,6 +37,7 @@ from specray.models.discrete_ar import (
     FeedForward,
     KVCache,
     RMSNorm,
+    call_rows,
     complex_rotary_applies,
     fused_layers,
     fused_layers_of,
@@ -172,9 +173,7 @@ class EagleHead(nn.Module):
                        rows: torch.Tensor | None = None) -> torch.Tensor:
         """``f̂ [r, n, D]`` with K/V written to ``slots [r, n]`` of cache ``rows`` and attention over the
         slots ``visible [r, n, S]`` allows (as :meth:`DiscreteGPT.forward_tree`)."""
-        if rows is None and tokens.shape[0] != cache.rows:
-            rows = torch.arange(tokens.shape[0], device=tokens.device)
-        write_rows = (torch.arange(tokens.shape[0], device=tokens.device) if rows is None else rows)[:, None]
+        rows, write_rows = call_rows(tokens, cache, rows)
         h, rope, mask = self._input(features, tokens), self._rotary(positions), visible[:, None]
         fused = fused_layers(self, h, rope, cache.keys)
         if fused is not None:  # the layer in one C++ call, the same values
@@ -193,9 +192,7 @@ class EagleHead(nn.Module):
         if fused is None:
             predicted = self.forward_cached(features, tokens, positions, slots, visible, cache, rows)
             return predicted, head_logits(target, predicted)
-        if rows is None and tokens.shape[0] != cache.rows:
-            rows = torch.arange(tokens.shape[0], device=tokens.device)
-        write_rows = (torch.arange(tokens.shape[0], device=tokens.device) if rows is None else rows)[:, None]
+        rows, write_rows = call_rows(tokens, cache, rows)
         return fused.head_step(self, features, tokens, positions, visible, cache.keys, cache.values, rows, write_rows,
                                slots, target.output.weight)
 
