@@ -1,5 +1,5 @@
 """specray's C++ kernels for the discrete models' decode steps and verify calls on a CPU (``csrc/``): a model's layers
-in one call (:class:`~specray.models.discrete_ar.FusedLayers`), the attention of
+in one call, with the work around them (:class:`~specray.models.discrete_ar.FusedLayers`), the attention of
 :mod:`~specray.models.decode_attention`, the K/V writes of
 :class:`~specray.models.discrete_ar.BlockWrite`, the RMSNorm of :mod:`~specray.models.cpu_norm`, the speculative
 rounds' decisions and draws of :mod:`~specray.methods.discrete.cpu_rounds`, the static-tree rounds' decisions,

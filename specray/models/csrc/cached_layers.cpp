@@ -51,6 +51,11 @@ struct Norm {
   double eps;
   at::Tensor count, eps_tensor;
 
+  // The norm of rows of `width` floats: the count and eps as the 0-dim float32 tensors torch_rms_norm takes.
+  static Norm of(bool kernel, double eps, int64_t width) {
+    return {kernel, eps, at::scalar_tensor(static_cast<double>(width), at::kFloat), at::scalar_tensor(eps, at::kFloat)};
+  }
+
   at::Tensor operator()(const at::Tensor& x, const at::Tensor& weight) const {
     if (kernel && x.is_contiguous()) {
       at::Tensor out = rms_norm(x, weight, eps);
@@ -72,8 +77,7 @@ at::Tensor cached_layers(at::Tensor h, const at::Tensor& rope, const at::Tensor&
   TORCH_CHECK(values.size() == keys.size() && weights.size() == static_cast<size_t>(7 * layers),
               "cached_layers: 7 weights and one K and one V cache per layer");
   const int64_t r = h.size(0), n = h.size(1), d = h.size(2), head_dim = d / n_head;
-  const Norm norm{norm_kernel, eps, at::scalar_tensor(static_cast<double>(d), at::kFloat),
-                  at::scalar_tensor(eps, at::kFloat)};
+  const Norm norm = Norm::of(norm_kernel, eps, d);
   const int64_t span = mask.size(-1);
   const double scale = std::pow(static_cast<double>(head_dim), -0.5);
   for (int64_t i = 0; i < layers; ++i) {
@@ -139,9 +143,7 @@ at::Tensor rotary_rows(const at::Tensor& positions, const at::Tensor& table) {
 
 // RMSNorm.forward in CPU inference (cpu_norm.rms_norm) over rows of h.
 at::Tensor final_norm(const at::Tensor& h, const at::Tensor& weight, double eps, bool kernel) {
-  const Norm norm{kernel, eps, at::scalar_tensor(static_cast<double>(h.size(-1)), at::kFloat),
-                  at::scalar_tensor(eps, at::kFloat)};
-  return norm(h, weight);
+  return Norm::of(kernel, eps, h.size(-1))(h, weight);
 }
 
 }  // namespace
