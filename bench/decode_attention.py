@@ -46,7 +46,8 @@ from specray.models import cpu_norm, decode_attention, discrete_ar  # noqa: E402
 KERNELS = {"attention": (decode_attention, "ENABLED"), "writes": (discrete_ar, "BLOCK_WRITE_KERNEL"),
            "growing": (discrete_ar, "GROWING_CACHES"), "norm": (cpu_norm, "ENABLED"),
            "rounds": (cpu_rounds, "ENABLED"), "masks": (discrete_ar, "MASK_TABLES"),
-           "layers": (discrete_ar, "FUSED_LAYERS"), "step": (discrete_ar, "FUSED_STEP")}
+           "layers": (discrete_ar, "FUSED_LAYERS"), "step": (discrete_ar, "FUSED_STEP"),
+           "host": (discrete_ar, "HOST_POSITIONS"), "softmax": (discrete_ar, "FUSED_SOFTMAX")}
 
 
 def settings(kernels: list[str], both: tuple[str, ...] = ()) -> dict[str, Callable[[], None]]:

@@ -8,13 +8,21 @@ import pytest
 import torch
 
 from specray.methods.discrete.loop import GuidedModel, sequence_tokens
-from specray.methods.discrete.processing import SamplingParams, process_logits, top_k_mask, top_p_mask
+from specray.methods.discrete.processing import (
+    SamplingParams,
+    model_softmax,
+    process_logits,
+    process_with,
+    top_k_mask,
+    top_p_mask,
+)
 from specray.models import cpu_kernels, discrete_ar
 from specray.models.digits import load_digits_split, to_uint8_pixels
 from specray.models.discrete_ar import (
     BLOCK_WRITE_MIN_TOKENS,
     PAIR_SWAP_BY_SLICES,
     BlockWrite,
+    CfgSoftmax,
     DiscreteGPT,
     GPTConfig,
     apply_rope,
@@ -139,7 +147,7 @@ def test_rotary_factors_are_complex_only_in_cpu_float32_inference():
     assert isinstance(model.float()._rotary(positions), tuple)  # autograd on: the real pair
 
 
-def per_value_write_index(positions: torch.Tensor, rows: torch.Tensor | None, head_major: bool = False):
+def per_value_write_index(positions: torch.Tensor, rows: torch.Tensor | None, head_major: bool = False, host=None):
     """cache_write_index without its slice and block shortcuts."""
     return (torch.arange(positions.shape[0]) if rows is None else rows)[:, None], positions
 
@@ -248,6 +256,83 @@ def test_gathered_rows_keep_the_values_and_the_head_major_layout():
     span = cache[:, :8]
     gathered = gather_rows(span, rows)
     assert torch.equal(gathered, span[rows]) and gathered.transpose(1, 2).is_contiguous()
+
+
+def test_host_positions_make_the_decisions_of_the_torch_reads(monkeypatch):
+    """HostPositions (one tolist of a call's positions) against the torch reductions it replaces: the largest
+    position, and cache_write_index's choice (slices, BlockWrite or the per-value write, and their slots) for level,
+    ragged, repeated, gapped and negative positions, below and at BLOCK_WRITE_MIN_TOKENS; a model's calls give the
+    same logits and K/V with and without it, and a position past the cache is refused with the same message."""
+    rows = BLOCK_WRITE_MIN_TOKENS // 4
+    g = torch.Generator().manual_seed(9)
+    ragged = torch.randint(1, 20, (rows, 1), generator=g) + torch.arange(4)
+    cases = [torch.arange(3, 7).expand(rows, -1), ragged, ragged[:5], torch.full((2, 1), 11)]
+    for row in ([30, 31, 31, 31], [0, 2, 4, 6], [-1, 0, 1, 2]):  # repeated, gapped, negative
+        odd = ragged.clone()
+        odd[3] = torch.tensor(row)
+        cases.append(odd)
+    kinds = set()
+    for positions in cases:
+        host = discrete_ar.host_positions(positions)
+        assert host.last == int(positions.max())
+        by_host = cache_write_index(positions, None, head_major=True, host=host)
+        by_torch = cache_write_index(positions, None, head_major=True)
+        assert type(by_host[0]) is type(by_torch[0]) and type(by_host[1]) is type(by_torch[1])
+        if isinstance(by_torch[0], BlockWrite):
+            assert torch.equal(by_host[0].rows, by_torch[0].rows) and by_host[1] is by_torch[1]
+        elif isinstance(by_torch[1], slice):
+            assert by_host == by_torch
+        else:
+            assert torch.equal(by_host[0], by_torch[0]) and by_host[1] is by_torch[1]
+        kinds.add(type(by_torch[0]).__name__)
+    assert kinds == {"slice", "BlockWrite", "Tensor"}  # every choice met
+
+    model = tiny_model()
+    labels, tokens = random_tokens(rows, seed=6)
+
+    def run() -> tuple[list[torch.Tensor], object]:
+        cache = model.new_cache(rows)
+        out = [model.prefill(labels, cache)]
+        level = torch.arange(1, 20).expand(rows, -1)
+        out.append(model.forward_step(sequence_tokens(labels, tokens, level), level, cache))
+        cache.crop(ragged[:, 0])
+        out.append(model.forward_step(sequence_tokens(labels, tokens, ragged), ragged, cache, prefix=False))
+        return out, cache
+
+    with torch.no_grad():
+        host_out, host_cache = run()
+        monkeypatch.setattr(discrete_ar, "HOST_POSITIONS", False)
+        torch_out, torch_cache = run()
+        for a, b in zip(host_out + host_cache.keys + host_cache.values, torch_out + torch_cache.keys + torch_cache.values):
+            assert torch.equal(a, b)
+        for on in (True, False):
+            monkeypatch.setattr(discrete_ar, "HOST_POSITIONS", on)
+            with pytest.raises(ValueError, match="position 40 exceeds cache max_len=32"):
+                model.forward_step(torch.zeros(2, 1, dtype=torch.int64), torch.full((2, 1), 40),
+                                   model.new_cache(2, 32), prefix=False)
+
+
+def test_cfg_softmax_gives_the_default_samplers_probabilities():
+    """CfgSoftmax, the probabilities a GPT call makes itself, against process_with at the default sampler's settings
+    (32 cond and 32 uncond rows of 3 positions x 17 logits, seed 12, no tolerance), guided and not; model_softmax
+    hands it out only where the processing is CFG and a softmax alone. Negative controls: the halves swapped, and
+    the same mix written as s c + (1 - s) u, differ."""
+    g = torch.Generator().manual_seed(12)
+    logits = torch.randn(64, 3, 17, generator=g) * 3
+    cond, uncond = logits[:32], logits[32:]
+    positions = torch.arange(5, 8).expand(32, -1)
+    default = SamplingParams()
+    guided = process_with(default, cond, uncond, positions)
+    assert model_softmax(default) == CfgSoftmax(1.5)
+    assert torch.equal(CfgSoftmax(1.5)(logits), guided)
+    unguided = SamplingParams(cfg_scale=1.0)
+    assert model_softmax(unguided) == CfgSoftmax()
+    assert torch.equal(CfgSoftmax()(cond), process_with(unguided, cond, None))
+    for other in ({"temperature": 0.7}, {"top_k": 5}, {"top_p": 0.9}, {"cfg_interval": 3}):
+        assert model_softmax(SamplingParams(**other)) is None
+    assert model_softmax(SamplingParams(cfg_scale=1.0, cfg_interval=3)) == CfgSoftmax()  # no uncond: no interval
+    assert not torch.equal(CfgSoftmax(1.5)(torch.cat([uncond, cond])), guided)
+    assert not torch.equal(torch.softmax(1.5 * cond + (1 - 1.5) * uncond, dim=-1), guided)
 
 
 def test_block_writes_are_chosen_for_large_calls_of_consecutive_positions(monkeypatch):

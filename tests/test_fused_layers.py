@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from specray.models import cpu_kernels, discrete_ar
-from specray.models.discrete_ar import DiscreteGPT, FusedLayers, GPTConfig, fused_layers
+from specray.models.discrete_ar import CfgSoftmax, DiscreteGPT, FusedLayers, GPTConfig, fused_layers
 from specray.models.eagle_head import EagleHead, EagleHeadConfig
 
 torch.set_num_threads(1)
@@ -57,6 +57,11 @@ def gpt_calls(model: DiscreteGPT) -> tuple[list[torch.Tensor], discrete_ar.KVCac
     visible = torch.arange(32)[None, None, :] <= slots[:, :, None]
     out.append(model.forward_tree(tokens[rows, :3], slots - 1, slots, visible, cache, rows=rows))
     out.extend(model.forward_tree_logits(tokens[rows, 3:6], slots + 2, slots + 3, visible, cache, rows=rows))
+    # The calls' probabilities made by them: guided (the rows' halves as CFG streams) and not.
+    after = (lengths + 5)[:, None]
+    out.append(model.forward_step(tokens.gather(1, after - 1), after, cache, prefix=False, softmax=CfgSoftmax(1.5)))
+    out.extend(model.forward_tree_logits(tokens[rows, 6:9], slots + 5, slots + 6, visible, cache, rows=rows,
+                                         softmax=CfgSoftmax()))
     return out, cache
 
 
@@ -99,14 +104,19 @@ def test_fused_gpt_layers_give_the_python_layers_values(shape, block_copies, ste
     """The digits target's and draft's head sizes (the first where the decode-attention kernel may serve), 3 and 1
     layers, random weights, the BlockWrite's C++ row copies on and off, the whole call in one (``step``: the 13
     cached forwards, the tree call with its logits) or the layers alone: every call's logits (tree calls: hidden
-    states too), every K/V slot and the cache lengths equal bit for bit, the fused calls having made all 15 calls.
-    Negative control: fused layers with w1 and w3 swapped differ."""
+    states too; and a step and a tree call making their probabilities, CfgSoftmax, in the call), every K/V slot and
+    the cache lengths equal bit for bit, the fused calls having made all 17 calls, with the probabilities made in
+    C++ and in Python after the call (FUSED_SOFTMAX). Negative control: fused layers with w1 and w3 swapped differ."""
     monkeypatch.setattr(discrete_ar, "BLOCK_WRITE_KERNEL", block_copies)
     monkeypatch.setattr(discrete_ar, "FUSED_STEP", step)
     model = random_weights(DiscreteGPT(GPTConfig(**shape)), seed=1)
     fused, python, made = run_both(lambda: gpt_calls(model), monkeypatch)
-    assert made == (["step"] * 13 + ["layers", "tree_step"] if step else ["layers"] * 15)
+    assert made == (["step"] * 13 + ["layers", "tree_step", "step", "tree_step"] if step else ["layers"] * 17)
     assert_same(fused, python)
+    monkeypatch.setattr(discrete_ar, "FUSED_LAYERS", True)
+    monkeypatch.setattr(discrete_ar, "FUSED_SOFTMAX", False)
+    with torch.inference_mode():
+        assert_same(gpt_calls(model), python)
 
     swapped = FusedLayers(list(model.layers))
     swapped.weights[4], swapped.weights[5] = swapped.weights[5], swapped.weights[4]
@@ -137,9 +147,10 @@ def test_a_fused_step_reading_the_wrong_rotary_rows_differs(monkeypatch):
     assert not torch.equal(wrong[1], python[1])
 
 
-def head_calls(head: EagleHead, target: DiscreteGPT | None = None) -> tuple[list[torch.Tensor], discrete_ar.KVCache]:
+def head_calls(head: EagleHead, target: DiscreteGPT | None = None,
+               softmax: CfgSoftmax | None = None) -> tuple[list[torch.Tensor], discrete_ar.KVCache]:
     """An EAGLE head's cached calls: every row, 3 tokens at ragged slots with a causal mask; then two of the rows.
-    With a ``target``: the same calls with their logits by its output layer."""
+    With a ``target``: the same calls with their logits by its output layer (their ``softmax``, if given)."""
     g = torch.Generator().manual_seed(4)
     cache = head.new_cache(ROWS, 40)
     starts = torch.randint(1, 20, (ROWS, 1), generator=g)
@@ -154,21 +165,23 @@ def head_calls(head: EagleHead, target: DiscreteGPT | None = None) -> tuple[list
         if target is None:
             out.append(head.forward_cached(features, tokens, slots, slots, visible, cache, rows=rows))
         else:
-            out.extend(head.forward_cached_logits(features, tokens, slots, slots, visible, cache, target, rows=rows))
+            out.extend(head.forward_cached_logits(features, tokens, slots, slots, visible, cache, target, rows=rows,
+                                                  softmax=softmax))
     return out, cache
 
 
-@pytest.mark.parametrize("logits", [False, True], ids=["layer", "with-logits"])
+@pytest.mark.parametrize("logits", ["layer", "with-logits", "with-probs"])
 @pytest.mark.parametrize("input_norm", [False, True], ids=["eagle1", "input-norm"])
 def test_fused_head_layer_gives_the_python_layers_values(input_norm, logits, monkeypatch):
     """An EAGLE head's layer (with and without its input norm, a bool mask, indexed writes), alone and with its
-    input layer and the target's output layer in the same call: the same predictions, logits and K/V, both calls
-    fused."""
+    input layer and the target's output layer in the same call (and the guided probabilities of its logits,
+    CfgSoftmax): the same predictions, logits or probabilities and K/V, both calls fused."""
     head = random_weights(EagleHead(EagleHeadConfig(vocab_size=17, dim=64, n_head=4, ffn_hidden=192, grid_size=8,
                                                     input_norm=input_norm)), seed=2)
-    target = random_weights(DiscreteGPT(GPTConfig(dim=64, n_layer=1, n_head=4)), seed=5) if logits else None
-    fused, python, made = run_both(lambda: head_calls(head, target), monkeypatch)
-    assert made == ["head_step" if logits else "layers"] * 2
+    target = None if logits == "layer" else random_weights(DiscreteGPT(GPTConfig(dim=64, n_layer=1, n_head=4)), seed=5)
+    softmax = CfgSoftmax(1.5) if logits == "with-probs" else None
+    fused, python, made = run_both(lambda: head_calls(head, target, softmax), monkeypatch)
+    assert made == ["layers" if target is None else "head_step"] * 2
     assert_same(fused, python)
 
 

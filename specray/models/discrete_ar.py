@@ -82,6 +82,11 @@ FUSED_LAYERS = True
 # embedding, rotary and mask lookups, the cache lengths, the final norm and the output layer: a third of a
 # batch-1 draft step's time in Python; False: those in Python around the fused layers, for A/B).
 FUSED_STEP = True
+# Whether a CPU call's decisions (the cache's growth, the span, the K/V write) read its positions from one host
+# copy (HostPositions) instead of a torch reduction each (False: those reductions, for A/B).
+HOST_POSITIONS = True
+# Whether such a C++ call also makes the probabilities a caller asks for (CfgSoftmax; False: in Python after it).
+FUSED_SOFTMAX = True
 
 
 @dataclass(frozen=True)
@@ -294,8 +299,9 @@ def call_rows(tokens: torch.Tensor, cache: "KVCache", rows: torch.Tensor | None
     return rows, (torch.arange(tokens.shape[0], device=tokens.device) if rows is None else rows)[:, None]
 
 
-def cache_write_index(positions: torch.Tensor, rows: torch.Tensor | None,
-                      head_major: bool = False) -> tuple[torch.Tensor | slice | BlockWrite, torch.Tensor | slice]:
+def cache_write_index(positions: torch.Tensor, rows: torch.Tensor | None, head_major: bool = False,
+                      host: HostPositions | None = None
+                      ) -> tuple[torch.Tensor | slice | BlockWrite, torch.Tensor | slice]:
     """Where a call writes its K/V: ``[rows, positions]`` as index tensors (rows default to all).
 
     On a CPU (not while torch.compile captures a step), with the same values written:
@@ -306,19 +312,58 @@ def cache_write_index(positions: torch.Tensor, rows: torch.Tensor | None,
     - else, from :data:`BLOCK_WRITE_MIN_TOKENS` tokens on into a ``head_major`` cache (:func:`kv_slots`),
       when every row's positions are consecutive: a :class:`BlockWrite`.
 
-    The checks read the positions on the host, a sync that is free on a CPU.
+    The checks read the positions on the host, a sync that is free on a CPU (from ``host``, their host copy,
+    where the caller made one).
     """
     on_cpu = positions.device.type == "cpu" and not torch.compiler.is_compiling()
     r, n = positions.shape
     if rows is None and on_cpu:
-        lo, hi = torch.aminmax(positions[:, 0])  # one reduction for both ends
-        start = int(lo)
-        if start == int(hi):  # a row's positions are consecutive: equal starts, equal slots
+        start = _level_start(positions) if host is None else host.level_start()
+        if start is not None:  # a row's positions are consecutive: equal starts, equal slots
             return slice(None), slice(start, start + n)
     write_rows = torch.arange(r, device=positions.device) if rows is None else rows
-    if on_cpu and head_major and r * n >= BLOCK_WRITE_MIN_TOKENS and _consecutive(positions):
+    if (on_cpu and head_major and r * n >= BLOCK_WRITE_MIN_TOKENS
+            and (_consecutive(positions) if host is None else host.consecutive())):
         return BlockWrite(write_rows, positions), positions
     return write_rows[:, None], positions
+
+
+def _level_start(positions: torch.Tensor) -> int | None:
+    """The rows' common first position, or None where they start apart."""
+    lo, hi = torch.aminmax(positions[:, 0])  # one reduction for both ends
+    start = int(lo)
+    return start if start == int(hi) else None
+
+
+class HostPositions:
+    """A CPU call's positions ``[r, n]`` read to the host once (one ``tolist``), for the decisions around the call:
+    the cache's growth and the span (:attr:`last`) and the K/V write (:func:`cache_write_index`), in place of a
+    torch reduction and scalar reads for each (a max, an aminmax, three reads: about 7 of a batch-1 draft call's
+    139 µs made as the loop makes it, twice what they cost timed alone)."""
+
+    __slots__ = ("rows", "last")
+
+    def __init__(self, rows: list[list[int]]) -> None:
+        self.rows = rows
+        self.last = max(map(max, rows))  # the largest position
+
+    def level_start(self) -> int | None:
+        """:func:`_level_start` on the host."""
+        first = self.rows[0][0]
+        return first if all(row[0] == first for row in self.rows) else None
+
+    def consecutive(self) -> bool:
+        """:func:`_consecutive` on the host."""
+        return all(row[0] >= 0 and row == list(range(row[0], row[0] + len(row))) for row in self.rows)
+
+
+def host_positions(positions: torch.Tensor) -> HostPositions | None:
+    """The :class:`HostPositions` of a CPU call (:data:`HOST_POSITIONS`), else None: off the CPU a read is a sync,
+    under torch.compile a graph break, and without positions there is nothing to read."""
+    if (not HOST_POSITIONS or positions.device.type != "cpu" or torch.compiler.is_compiling()
+            or positions.numel() == 0):
+        return None
+    return HostPositions(positions.tolist())
 
 
 def _consecutive(positions: torch.Tensor) -> bool:
@@ -583,13 +628,14 @@ def kv_slots(*leading: int, max_len: int, n_head: int, head_dim: int, like: torc
     return storage.transpose(-3, -2)
 
 
-def _check_slots(what: str, slots: torch.Tensor, max_len: int) -> int | None:
-    """Refuse slots past the cache; the largest slot, or None off the CPU. On CPU only: on an
-    accelerator reading the maximum would be a host sync per call, and an out-of-range index raises
-    there anyway (a device-side assert)."""
-    if slots.device.type != "cpu":
-        return None
-    last = int(slots.max())
+def _check_slots(what: str, slots: torch.Tensor, max_len: int, last: int | None = None) -> int | None:
+    """Refuse slots past the cache; the largest slot (``last`` if the caller read it), or None off the CPU. On
+    CPU only: on an accelerator reading the maximum would be a host sync per call, and an out-of-range index
+    raises there anyway (a device-side assert)."""
+    if last is None:
+        if slots.device.type != "cpu":
+            return None
+        last = int(slots.max())
     if last >= max_len:
         raise ValueError(f"{what} {last} exceeds cache max_len={max_len}")
     return last
@@ -602,6 +648,34 @@ def _grown(old: torch.Tensor, slots: int) -> torch.Tensor:
     new = kv_slots(rows, max_len=slots, n_head=heads, head_dim=head_dim, like=old)
     new[:, :held] = old.detach()  # a cache is not part of any graph
     return new
+
+
+@dataclass(frozen=True)
+class CfgSoftmax:
+    """A call's probabilities instead of its logits: the float32 softmax of ``u + cfg_scale (c - u)``, the rows'
+    first half ``c`` guided by their second ``u`` (the CFG streams' rows), or of every row without ``cfg_scale``.
+    The operations of the default sampler (:func:`specray.methods.discrete.processing.process_logits`: no
+    temperature, top-k or top-p), so the same values; an eager CPU call makes them in its C++ call
+    (:meth:`FusedLayers.step`), six dispatches fewer among the model's own."""
+
+    cfg_scale: float | None = None
+
+    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
+        if self.cfg_scale is not None:
+            r = logits.shape[0] // 2
+            cond, uncond = logits[:r], logits[r:]
+            logits = uncond + self.cfg_scale * (cond - uncond)
+        return torch.softmax(logits, dim=-1, dtype=torch.float32)
+
+
+def _softmax_arguments(softmax: CfgSoftmax | None) -> tuple[bool, float | None]:
+    """The C++ steps' ``(softmax, cfg_scale)`` for a :class:`CfgSoftmax` (None: the logits)."""
+    return (False, None) if softmax is None else (True, softmax.cfg_scale)
+
+
+def maybe_softmax(softmax: CfgSoftmax | None, logits: torch.Tensor) -> torch.Tensor:
+    """``logits``, or their :class:`CfgSoftmax` where the call asked for it."""
+    return logits if softmax is None else softmax(logits)
 
 
 @dataclass
@@ -628,7 +702,8 @@ class KVCache:
     def max_len(self) -> int:
         return self.slots if self.slots is not None else int(self.keys[0].shape[1])
 
-    def reserve(self, written: torch.Tensor, reads: int = 0, what: str = "position") -> int | None:
+    def reserve(self, written: torch.Tensor, reads: int = 0, what: str = "position",
+                last: int | None = None) -> int | None:
         """Before a call that writes slots ``written`` (refused past :attr:`max_len`, ``what`` names them) and attends
         over the first ``reads`` slots: grow a growing cache to both, rounded up as
         :func:`cpu_attention_slots` rounds, which covers the span a :meth:`DiscreteGPT.forward_step` call
@@ -636,12 +711,12 @@ class KVCache:
 
         The held slots are copied and the new ones are zero, as a static cache's are before a write: the
         call gives the same bits either way (the attention kernel sums in one order over such spans).
-        Returns the largest slot written, for the call's :func:`attention_span`; None for a static cache,
-        which it leaves alone and does not check.
+        Returns the largest slot written (``last`` where the caller read it, :class:`HostPositions`), for the
+        call's :func:`attention_span`; None for a static cache, which it leaves alone and does not check.
         """
         if self.slots is None:
             return None
-        last = _check_slots(what, written, self.slots)
+        last = _check_slots(what, written, self.slots, last)
         # A forward_step call's span, cpu_attention_slots(min(last + 1, fed)), is at most this; without spans, all.
         want = min(self.slots, cpu_attention_slots(max(last + 1, reads))) if ATTENTION_SPANS else self.slots
         if want > self.keys[0].shape[1]:
@@ -675,6 +750,9 @@ class FusedLayers:
             layer.attention.wqkv.weight, layer.attention.wo.weight,
             layer.ffn_norm.weight, layer.feed_forward.w1.weight, layer.feed_forward.w3.weight,
             layer.feed_forward.w2.weight)]
+        # A GPT's parameters around its layers (step, tree_step), bound at its first call: a lookup through
+        # nn.Module's attribute access each, several microseconds a call among the model's own operations.
+        self._around: tuple[torch.Tensor, torch.Tensor, float, torch.Tensor] | None = None
 
     def __call__(self, h: torch.Tensor, rope: torch.Tensor, mask: torch.Tensor, keys: list[torch.Tensor],
                  values: list[torch.Tensor], read_rows: torch.Tensor | None, write_rows: Any, write_slots: Any,
@@ -686,39 +764,49 @@ class FusedLayers:
     def step(self, model: "DiscreteGPT", inputs: torch.Tensor, embedded: bool, positions: torch.Tensor,
              mask: torch.Tensor, mask_is_table: bool, keys: list[torch.Tensor], values: list[torch.Tensor],
              rows: torch.Tensor | None, write_rows: Any, write_slots: Any, lengths: torch.Tensor,
-             attention_kernel: bool) -> torch.Tensor:
+             attention_kernel: bool, softmax: CfgSoftmax | None = None) -> torch.Tensor:
         """:meth:`DiscreteGPT._cached_layers` in one call (``cached_step``): the layers as :meth:`__call__` runs
         them, and around them the embedding of the image tokens ``inputs`` (unless ``embedded``), the rotary factors
         and the mask (``mask_is_table``: :func:`causal_mask_table`'s table) read at the ``positions``, the cache
-        ``lengths`` of the ``rows`` set, the final norm and the output layer; the logits."""
+        ``lengths`` of the ``rows`` set, the final norm and the output layer; the logits, or their ``softmax``."""
+        embedding, norm, eps, output = self._around_layers(model)
         return cpu_kernels.extension().cached_step(
-            inputs, None if embedded else model.tok_embeddings.weight, positions, model.rope_table, mask,
-            mask_is_table, keys, values, self.weights, self.n_head, self.eps, cpu_norm.kernel(self.width) is not None,
-            attention_kernel, *self._write(write_rows, write_slots), rows, lengths, model.norm.weight, model.norm.eps,
-            model.output.weight)
+            inputs, None if embedded else embedding, positions, model.rope_table, mask, mask_is_table, keys, values,
+            self.weights, self.n_head, self.eps, cpu_norm.kernel(self.width) is not None, attention_kernel,
+            *self._write(write_rows, write_slots), rows, lengths, norm, eps, output, *_softmax_arguments(softmax))
 
     def tree_step(self, model: "DiscreteGPT", inputs: torch.Tensor, embedded: bool, positions: torch.Tensor,
                   visible: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor],
-                  rows: torch.Tensor | None, write_rows: torch.Tensor, slots: torch.Tensor
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
+                  rows: torch.Tensor | None, write_rows: torch.Tensor, slots: torch.Tensor,
+                  softmax: CfgSoftmax | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`DiscreteGPT.forward_tree_logits` in one call (``tree_step``): the embedding (unless ``embedded``),
-        the rotary factors, the additive mask of ``visible``, the layers, the final norm and the output layer."""
+        the rotary factors, the additive mask of ``visible``, the layers, the final norm and the output layer (and
+        the ``softmax`` of its logits)."""
+        embedding, norm, eps, output = self._around_layers(model)
         return cpu_kernels.extension().tree_step(
-            inputs, None if embedded else model.tok_embeddings.weight, positions, model.rope_table, visible, keys,
-            values, self.weights, self.n_head, self.eps, cpu_norm.kernel(self.width) is not None, write_rows, slots,
-            rows, model.norm.weight, model.norm.eps, model.output.weight)
+            inputs, None if embedded else embedding, positions, model.rope_table, visible, keys, values, self.weights,
+            self.n_head, self.eps, cpu_norm.kernel(self.width) is not None, write_rows, slots, rows, norm, eps, output,
+            *_softmax_arguments(softmax))
+
+    def _around_layers(self, model: "DiscreteGPT") -> tuple[torch.Tensor, torch.Tensor, float, torch.Tensor]:
+        """The GPT's token embedding, final norm weight and eps, and output weight (the parameters themselves, as
+        :attr:`weights` keeps them; a model keeps one FusedLayers, :func:`fused_layers_of`)."""
+        if self._around is None:
+            self._around = (model.tok_embeddings.weight, model.norm.weight, model.norm.eps, model.output.weight)
+        return self._around
 
     def head_step(self, head: nn.Module, features: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
                   visible: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor],
                   rows: torch.Tensor | None, write_rows: torch.Tensor, slots: torch.Tensor,
-                  output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                  output: torch.Tensor, softmax: CfgSoftmax | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """An EAGLE head's :meth:`~specray.models.eagle_head.EagleHead.forward_cached_logits` in one call
         (``head_step``): its input layer on the embedded ``tokens`` and the ``features``, the rotary factors, its
-        layer under the bool mask ``visible`` and the logits by ``output`` (the target's output layer)."""
+        layer under the bool mask ``visible`` and the logits by ``output`` (the target's output layer; and their
+        ``softmax``)."""
         return cpu_kernels.extension().head_step(
             tokens, features, head.embed_tokens.weight, head.fc.weight, head.fc.bias, positions, head.rope_table,
             visible, keys, values, self.weights, self.n_head, self.eps, cpu_norm.kernel(self.width) is not None,
-            write_rows, slots, rows, output)
+            write_rows, slots, rows, output, *_softmax_arguments(softmax))
 
     @staticmethod
     def _write(write_rows: Any, write_slots: Any) -> tuple[int, int, torch.Tensor | None, torch.Tensor | None]:
@@ -879,8 +967,10 @@ class DiscreteGPT(nn.Module):
         cache: KVCache,
         rows: torch.Tensor | None = None,
         prefix: bool | None = None,
+        softmax: CfgSoftmax | None = None,
     ) -> torch.Tensor:
-        """Logits ``[r, n, V]`` float32 for ``tokens [r, n]`` at sequence ``positions [r, n]``.
+        """Logits ``[r, n, V]`` float32 for ``tokens [r, n]`` at sequence ``positions [r, n]`` (their ``softmax``
+        where given, :class:`CfgSoftmax`).
 
         Writes their K/V into cache rows ``rows`` (default: all cache rows in order, read
         without a gather copy; the first ``r`` rows when ``r < cache.rows``) at slots ``positions`` and sets those rows' length to
@@ -897,49 +987,61 @@ class DiscreteGPT(nn.Module):
         if positions.shape != tokens.shape:
             raise ValueError(f"positions shape {tuple(positions.shape)} != tokens shape {tuple(tokens.shape)}")
         if self.caption_conditioned:
-            return self._caption_step(tokens, positions, cache, rows, prefix)
-        checked = cache.reserve(positions)  # the largest position, read once (None: a static cache's)
+            return maybe_softmax(softmax, self._caption_step(tokens, positions, cache, rows, prefix))
         if rows is None and prefix is False and self.compiled_decode is not None:
+            cache.reserve(positions)  # a compiled step's cache is static: nothing to grow or check
             # The loops only feed positions inside the cache; the compiled step skips the check's host sync.
-            return self.compiled_decode(tokens, positions, cache.keys, cache.values, cache.lengths)
+            return maybe_softmax(softmax, self.compiled_decode(tokens, positions, cache.keys, cache.values, cache.lengths))
+        host = host_positions(positions)
+        checked = cache.reserve(positions, last=None if host is None else host.last)  # None: a static cache's
+        if checked is None and host is not None:  # a static CPU cache: checked here, with the host copy
+            checked = _check_slots("position", positions, cache.max_len, host.last)
         if rows is None and prefix is False:  # the layers check the positions (attention_span)
-            return self.decode_all_rows(tokens, positions, cache.keys, cache.values, cache.lengths, checked)
+            return self.decode_all_rows(tokens, positions, cache.keys, cache.values, cache.lengths, checked, host,
+                                        softmax)
         if prefix is not False:
             return self._cached_layers(self._embed(tokens, positions), positions, cache.keys, cache.values,
-                                       cache.lengths, rows, checked=checked)
+                                       cache.lengths, rows, checked=checked, host=host, softmax=softmax)
         return self._cached_layers(tokens, positions, cache.keys, cache.values, cache.lengths, rows, checked=checked,
-                                   embedded=False)
+                                   embedded=False, host=host, softmax=softmax)
 
     def decode_all_rows(self, tokens: torch.Tensor, positions: torch.Tensor, keys: list[torch.Tensor],
-                        values: list[torch.Tensor], lengths: torch.Tensor, checked: int | None = None) -> torch.Tensor:
+                        values: list[torch.Tensor], lengths: torch.Tensor, checked: int | None = None,
+                        host: HostPositions | None = None, softmax: CfgSoftmax | None = None) -> torch.Tensor:
         """:meth:`forward_step` on every cache row, image tokens only (no position 0): the decode step
         of the loops, written so that ``torch.compile(fullgraph=True)`` captures it whole
         (:mod:`specray.models.compiled`): fixed shapes, K/V written at the rows' positions in the
-        static cache, no host sync. ``checked``: the largest position, checked (:meth:`KVCache.reserve`)."""
+        static cache, no host sync. ``checked``: the largest position, checked (:meth:`KVCache.reserve`);
+        ``host``: the positions' host copy, if read; ``softmax``: as :meth:`forward_step`'s."""
         return self._cached_layers(tokens, positions, keys, values, lengths, None,
-                                   compiled=torch.compiler.is_compiling(), checked=checked, embedded=False)
+                                   compiled=torch.compiler.is_compiling(), checked=checked, embedded=False, host=host,
+                                   softmax=softmax)
 
     def _embed_image(self, tokens: torch.Tensor) -> torch.Tensor:
         return F.embedding(tokens.clamp(0, self.config.vocab_size - 1), self.tok_embeddings.weight)
 
     def _cached_layers(self, inputs: torch.Tensor, positions: torch.Tensor, keys: list[torch.Tensor],
                        values: list[torch.Tensor], lengths: torch.Tensor, rows: torch.Tensor | None,
-                       compiled: bool = False, checked: int | None = None, embedded: bool = True) -> torch.Tensor:
+                       compiled: bool = False, checked: int | None = None, embedded: bool = True,
+                       host: HostPositions | None = None, softmax: CfgSoftmax | None = None) -> torch.Tensor:
         """The layers over the cache from the embedded inputs ``h [r, n, D]`` (``embedded=False``: from the image
-        tokens ``[r, n]``); logits ``[r, n, V]`` float32. ``checked``: the largest position if the caller checked it
-        (:func:`attention_span`)."""
+        tokens ``[r, n]``); logits ``[r, n, V]`` float32, or their ``softmax``. ``checked``: the largest position if
+        the caller checked it (:func:`attention_span`); ``host``: the positions' host copy, if read
+        (:func:`cache_write_index`)."""
         # Refuses positions past the cache; a query past max_seq_len is padding (attention_span).
         span = attention_span(positions, keys[0].shape[1], "position", fed=self.max_seq_len, checked=checked)
         like = inputs if embedded else self.tok_embeddings.weight  # the layers' input dtype and device
-        write_rows, write_slots = cache_write_index(positions, rows, head_major=True)
+        write_rows, write_slots = cache_write_index(positions, rows, head_major=True, host=host)
         fused = None if compiled or not complex_rotary_applies(self.rope_table) else fused_layers_of(self, like, keys)
         if fused is not None and FUSED_STEP:  # the whole forward in one C++ call, the same values
             attend = decode_attention.attention_for(like, self.config.head_dim, positions.shape[1], span)
             table = causal_mask_table(positions, span, keys[0].shape[1], like.dtype)
             mask = causal_mask(positions, span, keys[0].shape[1], like.dtype) if table is None else table
             kernel = attend is not F.scaled_dot_product_attention
-            return fused.step(self, inputs, embedded, positions, mask, table is not None, keys, values, rows,
-                              write_rows, write_slots, lengths, attention_kernel=kernel)
+            folded = softmax if FUSED_SOFTMAX else None
+            out = fused.step(self, inputs, embedded, positions, mask, table is not None, keys, values, rows,
+                             write_rows, write_slots, lengths, attention_kernel=kernel, softmax=folded)
+            return out if folded is not None else maybe_softmax(softmax, out)
         h = inputs if embedded else self._embed_image(inputs)
         rope = self._rotary(positions)
         if compiled:
@@ -959,7 +1061,7 @@ class DiscreteGPT(nn.Module):
         else:
             lengths[rows] = positions[:, -1] + 1
         logits = F.linear(self.norm.forward(h), self.output.weight)
-        return logits if logits.dtype == torch.float32 else logits.float()
+        return maybe_softmax(softmax, logits if logits.dtype == torch.float32 else logits.float())
 
     def _caption_step(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache,
                       rows: torch.Tensor | None, prefix: bool | None) -> torch.Tensor:
@@ -1050,17 +1152,21 @@ class DiscreteGPT(nn.Module):
         cache: KVCache,
         rows: torch.Tensor | None = None,
         prefix: bool = False,
+        softmax: CfgSoftmax | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """:meth:`forward_tree`'s hidden states and their logits ``[r, n, V]`` float32 (``self.output``): in one C++
-        call where the fused layers serve it (:data:`FUSED_STEP`), the same values."""
+        """:meth:`forward_tree`'s hidden states and their logits ``[r, n, V]`` float32 (``self.output``; their
+        ``softmax`` where given): in one C++ call where the fused layers serve it (:data:`FUSED_STEP`), the same
+        values."""
         fused = (fused_layers_of(self, self.tok_embeddings.weight, cache.keys)
                  if FUSED_STEP and complex_rotary_applies(self.rope_table) else None)
         if fused is None:
             hidden = self.forward_tree(tokens, positions, slots, visible, cache, rows, prefix)
-            return hidden, self.output(hidden).float()
+            return hidden, maybe_softmax(softmax, self.output(hidden).float())
         rows, write_rows = self._tree_rows(tokens, slots, visible, cache, rows)
-        return fused.tree_step(self, self._embed(tokens, positions) if prefix else tokens, prefix, positions, visible,
-                               cache.keys, cache.values, rows, write_rows, slots)
+        folded = softmax if FUSED_SOFTMAX else None
+        hidden, out = fused.tree_step(self, self._embed(tokens, positions) if prefix else tokens, prefix, positions,
+                                      visible, cache.keys, cache.values, rows, write_rows, slots, folded)
+        return hidden, out if folded is not None else maybe_softmax(softmax, out)
 
     def _tree_rows(self, tokens: torch.Tensor, slots: torch.Tensor, visible: torch.Tensor, cache: KVCache,
                    rows: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Tensor]:

@@ -33,6 +33,7 @@ from specray.models.configs import dataclass_from_dict
 from specray.models.discrete_ar import (
     PREFIX_ROPE_MODES,
     Attention,
+    CfgSoftmax,
     DiscreteGPT,
     FeedForward,
     KVCache,
@@ -42,6 +43,7 @@ from specray.models.discrete_ar import (
     fused_layers,
     fused_layers_of,
     kv_slots,
+    maybe_softmax,
     register_rotary_tables,
     rotary_at,
 )
@@ -182,19 +184,22 @@ class EagleHead(nn.Module):
 
     def forward_cached_logits(self, features: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
                               slots: torch.Tensor, visible: torch.Tensor, cache: KVCache, target: DiscreteGPT,
-                              rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                              rows: torch.Tensor | None = None, softmax: CfgSoftmax | None = None
+                              ) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`forward_cached`'s predictions and their logits by the ``target``'s output layer
-        (:func:`head_logits`): in one C++ call where the fused layers serve it
+        (:func:`head_logits`; their ``softmax`` where given): in one C++ call where the fused layers serve it
         (:data:`~specray.models.discrete_ar.FUSED_STEP`), the same values."""
         serves = (discrete_ar.FUSED_STEP and complex_rotary_applies(self.rope_table)
                   and features.dtype == torch.float32)
         fused = fused_layers_of(self, self.fc.weight, cache.keys) if serves else None
         if fused is None:
             predicted = self.forward_cached(features, tokens, positions, slots, visible, cache, rows)
-            return predicted, head_logits(target, predicted)
+            return predicted, maybe_softmax(softmax, head_logits(target, predicted))
         rows, write_rows = call_rows(tokens, cache, rows)
-        return fused.head_step(self, features, tokens, positions, visible, cache.keys, cache.values, rows, write_rows,
-                               slots, target.output.weight)
+        folded = softmax if discrete_ar.FUSED_SOFTMAX else None
+        predicted, out = fused.head_step(self, features, tokens, positions, visible, cache.keys, cache.values, rows,
+                                         write_rows, slots, target.output.weight, folded)
+        return predicted, out if folded is not None else maybe_softmax(softmax, out)
 
 
 def head_logits(target: DiscreteGPT, features: torch.Tensor) -> torch.Tensor:

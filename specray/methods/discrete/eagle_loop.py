@@ -49,7 +49,7 @@ from specray.methods.common import RoundTally
 from specray.methods.discrete import cpu_rounds, cpu_tree_rounds
 from specray.methods.discrete.loop import RoundUniforms, _decide, _next_round
 from specray.methods.discrete.params import Sampling, Speculative
-from specray.methods.discrete.processing import process_with
+from specray.methods.discrete.processing import model_softmax, process_with
 from specray.methods.discrete.rules import RuleParams, _rows_column, rule_params_for_pair
 from specray.methods.discrete.tree_rules import TREE_RULES, tree_index, tree_verifier
 from specray.methods.discrete.trees import StaticTree, resolve_tree
@@ -72,6 +72,7 @@ class _Streams:
         self._rows = None
         self._column_of: torch.Tensor | None = None  # cache_rows_column's last samples, and their rows' column
         self._column = None
+        self.softmax = model_softmax(sampling)  # the calls' probabilities made by them; None: process() makes them
 
     def cache_rows(self, idx: torch.Tensor) -> torch.Tensor:
         """The cache rows of the samples ``idx`` (made once per ``idx`` object: a round asks several times)."""
@@ -91,9 +92,12 @@ class _Streams:
         """``x`` for the cond rows, repeated for the uncond rows."""
         return torch.cat([x, x]) if self.guided else x
 
-    def process(self, logits: torch.Tensor) -> torch.Tensor:
-        r = logits.shape[0] // 2 if self.guided else logits.shape[0]
-        return process_with(self.sampling, logits[:r], logits[r:] if self.guided else None)
+    def process(self, out: torch.Tensor) -> torch.Tensor:
+        """A call's laws from its output: the probabilities themselves where it made them (:attr:`softmax`)."""
+        if self.softmax is not None:
+            return out
+        r = out.shape[0] // 2 if self.guided else out.shape[0]
+        return process_with(self.sampling, out[:r], out[r:] if self.guided else None)
 
 
 class TargetStream(_Streams):
@@ -126,9 +130,9 @@ class TargetStream(_Streams):
             fed = torch.cat([tokens, uncond])
         if not paired:
             positions, slots, visible = self.both(positions), self.both(slots), self.both(visible)
-        hidden, logits = self.model.forward_tree_logits(fed, positions, slots, visible, self.cache,
-                                                        rows=self.cache_rows(idx), prefix=prefix)
-        return self.process(logits), hidden
+        hidden, out = self.model.forward_tree_logits(fed, positions, slots, visible, self.cache,
+                                                     rows=self.cache_rows(idx), prefix=prefix, softmax=self.softmax)
+        return self.process(out), hidden
 
     def keep_features(self, idx: torch.Tensor, slots: torch.Tensor, hidden: torch.Tensor, paired: bool = False) -> None:
         """Store hidden states ``[rows, k, D]`` at ``slots [r, k]`` of the samples ``idx`` (``[rows, k]`` if ``paired``)."""
@@ -168,9 +172,10 @@ class HeadStream(_Streams):
         self.calls += 1
         if not paired:
             positions, slots, visible = self.both(positions), self.both(slots), self.both(visible)
-        predicted, logits = self.head.forward_cached_logits(features, self.both(tokens), positions, slots, visible,
-                                                            self.cache, self.target, rows=self.cache_rows(idx))
-        return self.process(logits), predicted
+        predicted, out = self.head.forward_cached_logits(features, self.both(tokens), positions, slots, visible,
+                                                         self.cache, self.target, rows=self.cache_rows(idx),
+                                                         softmax=self.softmax)
+        return self.process(out), predicted
 
 
 def _causal(positions: torch.Tensor, span: int, first: int = 0) -> torch.Tensor:

@@ -60,7 +60,7 @@ from specray.families import Method, resolve
 from specray.methods.common import GenerationResult, RoundTally, SampleStats, bind_conditions
 from specray.methods.discrete import cpu_rounds
 from specray.methods.discrete.params import Sampling, Speculative
-from specray.methods.discrete.processing import process_with
+from specray.methods.discrete.processing import model_softmax, process_with
 from specray.methods.discrete.rules import Verifier
 from specray.models import buffer_reuse
 from specray.models.discrete_ar import DiscreteGPT
@@ -90,6 +90,7 @@ class GuidedModel:
         self.cache = model.new_cache(2 * batch if self.guided else batch, max_len)
         self.all_rows = torch.arange(batch, device=self.cache.lengths.device)
         self.calls = 0
+        self.softmax = model_softmax(sampling)  # None: the logits are processed here (process_with)
 
     def probs(self, idx: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, *,
               all_rows: bool = False, prefix: bool | None = None) -> torch.Tensor:
@@ -111,19 +112,21 @@ class GuidedModel:
                 all_rows: bool, prefix: bool | None) -> torch.Tensor:
         """One model call on the rows of the samples ``idx`` (all rows, read in place, if ``all_rows``)."""
         if not self.guided:
-            logits = self.model.forward_step(tokens, positions, self.cache, rows=None if all_rows else idx,
-                                             prefix=prefix)
-            return process_with(self.sampling, logits, None)
+            out = self.model.forward_step(tokens, positions, self.cache, rows=None if all_rows else idx,
+                                          prefix=prefix, softmax=self.softmax)
+            return out if self.softmax is not None else process_with(self.sampling, out, None)
         if prefix is False:
             uncond_tokens = tokens
         else:
             uncond_tokens = torch.where(positions == 0, self.model.null_prefix(tokens), tokens)
-        logits = self.model.forward_step(
+        out = self.model.forward_step(
             torch.cat([tokens, uncond_tokens]), torch.cat([positions, positions]), self.cache,
-            rows=None if all_rows else torch.cat([idx, idx + self.batch]), prefix=prefix,
+            rows=None if all_rows else torch.cat([idx, idx + self.batch]), prefix=prefix, softmax=self.softmax,
         )
+        if self.softmax is not None:  # the probabilities, made by the call
+            return out
         r = idx.shape[0]
-        return process_with(self.sampling, logits[:r], logits[r:], positions)  # position p predicts token p
+        return process_with(self.sampling, out[:r], out[r:], positions)  # position p predicts token p
 
     def _park_other_rows(self, idx: torch.Tensor, tokens: torch.Tensor,
                          positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

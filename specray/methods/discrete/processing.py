@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from specray.methods.discrete.params import Sampling
+from specray.models.discrete_ar import CfgSoftmax
 
 MIN_TEMPERATURE = 1e-5
 
@@ -82,3 +83,14 @@ def process_with(params: SamplingParams, cond_logits: torch.Tensor, uncond_logit
         mixed = torch.where(unguided[..., None], cond_logits.float(), guided)
         return process_logits(mixed, None, 1.0, params.temperature, params.top_k, params.top_p)
     return process_logits(cond_logits, uncond_logits, params.cfg_scale, params.temperature, params.top_k, params.top_p)
+
+
+def model_softmax(params: SamplingParams) -> CfgSoftmax | None:
+    """The processing as a GPT call can make it itself (:class:`~specray.models.discrete_ar.CfgSoftmax`, the same
+    values as :func:`process_with`) where it is CFG and a softmax alone: no temperature, top-k, top-p or CFG
+    interval; else None (the caller processes the call's logits)."""
+    if params.temperature != 1.0 or params.top_k != 0 or params.top_p < 1.0:
+        return None
+    if not params.uses_uncond:
+        return CfgSoftmax()
+    return CfgSoftmax(params.cfg_scale) if params.cfg_interval < 0 else None

@@ -20,6 +20,7 @@
 #include <ATen/ops/scalar_tensor.h>
 #include <ATen/ops/scaled_dot_product_attention.h>
 #include <ATen/ops/silu.h>
+#include <ATen/ops/softmax.h>
 #include <ATen/ops/sum.h>
 #include <ATen/ops/view_as_complex.h>
 #include <ATen/ops/view_as_real.h>
@@ -141,6 +142,20 @@ at::Tensor rotary_rows(const at::Tensor& positions, const at::Tensor& table) {
   return at::view_as_complex(table.index(index)).unsqueeze(2);
 }
 
+// CfgSoftmax (with softmax; else the logits themselves): softmax(uncond + s * (cond - uncond)) of the rows' two
+// halves with cfg_scale s, else of every row.
+at::Tensor probabilities(at::Tensor logits, bool softmax, std::optional<double> cfg_scale) {
+  if (!softmax) {
+    return logits;
+  }
+  if (cfg_scale) {
+    int64_t r = logits.size(0) / 2;
+    at::Tensor cond = logits.narrow(0, 0, r), uncond = logits.narrow(0, r, r);
+    logits = uncond.add(cond.sub(uncond).mul(*cfg_scale));
+  }
+  return at::softmax(logits, -1, at::kFloat);
+}
+
 // RMSNorm.forward in CPU inference (cpu_norm.rms_norm) over rows of h.
 at::Tensor final_norm(const at::Tensor& h, const at::Tensor& weight, double eps, bool kernel) {
   return Norm::of(kernel, eps, h.size(-1))(h, weight);
@@ -155,7 +170,7 @@ at::Tensor cached_step(const at::Tensor& inputs, const std::optional<at::Tensor>
                        bool norm_kernel, bool attention_kernel, int64_t write_kind, int64_t start,
                        const std::optional<at::Tensor>& write_rows, const std::optional<at::Tensor>& write_slots,
                        const std::optional<at::Tensor>& read_rows, at::Tensor lengths, const at::Tensor& norm_weight,
-                       double norm_eps, const at::Tensor& output) {
+                       double norm_eps, const at::Tensor& output, bool softmax, std::optional<double> cfg_scale) {
   at::Tensor h = embedding ? embed_image(inputs, *embedding) : inputs;
   // causal_mask: the rows of its table at the positions, [r, 1, n, span].
   at::Tensor attend = mask_is_table ? at::embedding(mask, positions).unsqueeze(1) : mask;
@@ -170,7 +185,7 @@ at::Tensor cached_step(const at::Tensor& inputs, const std::optional<at::Tensor>
   } else {
     lengths.copy_(next);
   }
-  return at::linear(final_norm(h, norm_weight, norm_eps, norm_kernel), output);
+  return probabilities(at::linear(final_norm(h, norm_weight, norm_eps, norm_kernel), output), softmax, cfg_scale);
 }
 
 std::tuple<at::Tensor, at::Tensor> tree_step(
@@ -179,14 +194,14 @@ std::tuple<at::Tensor, at::Tensor> tree_step(
     const std::vector<at::Tensor>& values, const std::vector<std::optional<at::Tensor>>& weights, int64_t n_head,
     double eps, bool norm_kernel, const at::Tensor& write_rows, const at::Tensor& write_slots,
     const std::optional<at::Tensor>& read_rows, const at::Tensor& norm_weight, double norm_eps,
-    const at::Tensor& output) {
+    const at::Tensor& output, bool softmax, std::optional<double> cfg_scale) {
   at::Tensor h = embedding ? embed_image(inputs, *embedding) : inputs;
   // additive_mask: 0 where a query may attend, -inf elsewhere, float32 (torch.where's dtype for two floats).
   at::Tensor mask = at::where(visible.unsqueeze(1), 0.0, -std::numeric_limits<double>::infinity());
   h = cached_layers(h, rotary_rows(positions, rope_table), mask, keys, values, weights, n_head, eps, norm_kernel,
                     /*attention_kernel=*/false, /*write_kind=*/2, 0, write_rows, write_slots, read_rows);
   at::Tensor hidden = final_norm(h, norm_weight, norm_eps, norm_kernel);
-  return {hidden, at::linear(hidden, output)};
+  return {hidden, probabilities(at::linear(hidden, output), softmax, cfg_scale)};
 }
 
 std::tuple<at::Tensor, at::Tensor> head_step(
@@ -195,11 +210,11 @@ std::tuple<at::Tensor, at::Tensor> head_step(
     const at::Tensor& visible, const std::vector<at::Tensor>& keys, const std::vector<at::Tensor>& values,
     const std::vector<std::optional<at::Tensor>>& weights, int64_t n_head, double eps, bool norm_kernel,
     const at::Tensor& write_rows, const at::Tensor& write_slots, const std::optional<at::Tensor>& read_rows,
-    const at::Tensor& output) {
+    const at::Tensor& output, bool softmax, std::optional<double> cfg_scale) {
   // EagleHead._input: fc([embed(tokens), features]).
   at::Tensor h = at::linear(at::cat({embed_image(tokens, embedding), features}, -1), fc_weight, fc_bias);
   at::Tensor predicted = cached_layers(h, rotary_rows(positions, rope_table), visible.unsqueeze(1), keys, values,
                                        weights, n_head, eps, norm_kernel, /*attention_kernel=*/false,
                                        /*write_kind=*/2, 0, write_rows, write_slots, read_rows);
-  return {predicted, at::linear(predicted, output)};
+  return {predicted, probabilities(at::linear(predicted, output), softmax, cfg_scale)};
 }

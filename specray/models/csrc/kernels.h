@@ -107,7 +107,8 @@ at::Tensor cached_layers(at::Tensor h, const at::Tensor& rope, const at::Tensor&
 // factors of the positions [r, n] read from rope_table [L, hd / 2, 2], the mask (mask_is_table: rows of the table
 // [slots, span] at the positions, else the mask itself), the layers (cached_layers, its arguments), the cache
 // lengths of the rows read_rows (none: all) set to their last position + 1, the final norm (norm_weight, norm_eps)
-// and the output layer. Returns the logits [r, n, V].
+// and the output layer. Returns the logits [r, n, V]; with softmax, CfgSoftmax's probabilities of them instead (with
+// cfg_scale, of the rows' first half guided by their second: [r / 2, n, V]).
 at::Tensor cached_step(const at::Tensor& inputs, const std::optional<at::Tensor>& embedding,
                        const at::Tensor& positions, const at::Tensor& rope_table, const at::Tensor& mask,
                        bool mask_is_table, const std::vector<at::Tensor>& keys, const std::vector<at::Tensor>& values,
@@ -115,30 +116,32 @@ at::Tensor cached_step(const at::Tensor& inputs, const std::optional<at::Tensor>
                        bool norm_kernel, bool attention_kernel, int64_t write_kind, int64_t start,
                        const std::optional<at::Tensor>& write_rows, const std::optional<at::Tensor>& write_slots,
                        const std::optional<at::Tensor>& read_rows, at::Tensor lengths, const at::Tensor& norm_weight,
-                       double norm_eps, const at::Tensor& output);
+                       double norm_eps, const at::Tensor& output, bool softmax, std::optional<double> cfg_scale);
 
 // DiscreteGPT.forward_tree and its output layer in one call (cached_layers.cpp): the image tokens inputs [r, n]
 // embedded by embedding (none: inputs are the embedded h), the rotary factors of the positions, the additive mask
 // of visible [r, n, S] (bool), the layers with the K/V written at [write_rows [r, 1], write_slots [r, n]] and the
-// rows read_rows read, the final norm: returns (its hidden states [r, n, D], their logits [r, n, V]).
+// rows read_rows read, the final norm: returns (its hidden states [r, n, D], their logits [r, n, V] or, with
+// softmax, their probabilities as cached_step's).
 std::tuple<at::Tensor, at::Tensor> tree_step(
     const at::Tensor& inputs, const std::optional<at::Tensor>& embedding, const at::Tensor& positions,
     const at::Tensor& rope_table, const at::Tensor& visible, const std::vector<at::Tensor>& keys,
     const std::vector<at::Tensor>& values, const std::vector<std::optional<at::Tensor>>& weights, int64_t n_head,
     double eps, bool norm_kernel, const at::Tensor& write_rows, const at::Tensor& write_slots,
     const std::optional<at::Tensor>& read_rows, const at::Tensor& norm_weight, double norm_eps,
-    const at::Tensor& output);
+    const at::Tensor& output, bool softmax, std::optional<double> cfg_scale);
 
 // EagleHead.forward_cached and head_logits in one call (cached_layers.cpp): fc([embed(tokens), features]), its
 // layer with the bool mask visible [r, n, S] and the writes and reads of tree_step: returns (the predicted hidden
-// states [r, n, D], their logits by the target's output layer [r, n, V]).
+// states [r, n, D], their logits by the target's output layer [r, n, V] or, with softmax, their probabilities as
+// cached_step's).
 std::tuple<at::Tensor, at::Tensor> head_step(
     const at::Tensor& tokens, const at::Tensor& features, const at::Tensor& embedding, const at::Tensor& fc_weight,
     const std::optional<at::Tensor>& fc_bias, const at::Tensor& positions, const at::Tensor& rope_table,
     const at::Tensor& visible, const std::vector<at::Tensor>& keys, const std::vector<at::Tensor>& values,
     const std::vector<std::optional<at::Tensor>>& weights, int64_t n_head, double eps, bool norm_kernel,
     const at::Tensor& write_rows, const at::Tensor& write_slots, const std::optional<at::Tensor>& read_rows,
-    const at::Tensor& output);
+    const at::Tensor& output, bool softmax, std::optional<double> cfg_scale);
 
 // RMSNorm of float32 rows, (x * rsqrt(sum(x * x) / D + eps)) * weight, with the values of torch's operations
 // (rms_norm.cpp); an undefined tensor where the call is not one it serves.
