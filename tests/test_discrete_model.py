@@ -303,7 +303,8 @@ def test_host_positions_make_the_decisions_of_the_torch_reads(monkeypatch):
         host_out, host_cache = run()
         monkeypatch.setattr(discrete_ar, "HOST_POSITIONS", False)
         torch_out, torch_cache = run()
-        for a, b in zip(host_out + host_cache.keys + host_cache.values, torch_out + torch_cache.keys + torch_cache.values):
+        host_all = host_out + host_cache.keys + host_cache.values
+        for a, b in zip(host_all, torch_out + torch_cache.keys + torch_cache.values, strict=True):
             assert torch.equal(a, b)
         for on in (True, False):
             monkeypatch.setattr(discrete_ar, "HOST_POSITIONS", on)

@@ -85,7 +85,8 @@ FUSED_STEP = True
 # Whether a CPU call's decisions (the cache's growth, the span, the K/V write) read its positions from one host
 # copy (HostPositions) instead of a torch reduction each (False: those reductions, for A/B).
 HOST_POSITIONS = True
-# Whether such a C++ call also makes the probabilities a caller asks for (CfgSoftmax; False: in Python after it).
+# Whether such a C++ call also makes the probabilities its caller asks for (CfgSoftmax; False: Python makes them
+# from the call's logits, for A/B).
 FUSED_SOFTMAX = True
 
 
@@ -339,7 +340,7 @@ class HostPositions:
     """A CPU call's positions ``[r, n]`` read to the host once (one ``tolist``), for the decisions around the call:
     the cache's growth and the span (:attr:`last`) and the K/V write (:func:`cache_write_index`), in place of a
     torch reduction and scalar reads for each (a max, an aminmax, three reads: about 7 of a batch-1 draft call's
-    139 µs made as the loop makes it, twice what they cost timed alone)."""
+    136 µs made as the loops make it)."""
 
     __slots__ = ("rows", "last")
 
@@ -669,8 +670,14 @@ class CfgSoftmax:
 
 
 def _softmax_arguments(softmax: CfgSoftmax | None) -> tuple[bool, float | None]:
-    """The C++ steps' ``(softmax, cfg_scale)`` for a :class:`CfgSoftmax` (None: the logits)."""
-    return (False, None) if softmax is None else (True, softmax.cfg_scale)
+    """The C++ steps' ``(softmax, cfg_scale)``: a :class:`CfgSoftmax` made in the call (:data:`FUSED_SOFTMAX`), else
+    the logits (:func:`_softmax_after_call` then names what to make of them)."""
+    return (True, softmax.cfg_scale) if softmax is not None and FUSED_SOFTMAX else (False, None)
+
+
+def _softmax_after_call(softmax: CfgSoftmax | None) -> CfgSoftmax | None:
+    """The :class:`CfgSoftmax` left for Python after a C++ step asked for ``softmax`` (:func:`_softmax_arguments`)."""
+    return None if FUSED_SOFTMAX else softmax
 
 
 def maybe_softmax(softmax: CfgSoftmax | None, logits: torch.Tensor) -> torch.Tensor:
@@ -770,10 +777,11 @@ class FusedLayers:
         and the mask (``mask_is_table``: :func:`causal_mask_table`'s table) read at the ``positions``, the cache
         ``lengths`` of the ``rows`` set, the final norm and the output layer; the logits, or their ``softmax``."""
         embedding, norm, eps, output = self._around_layers(model)
-        return cpu_kernels.extension().cached_step(
+        out = cpu_kernels.extension().cached_step(
             inputs, None if embedded else embedding, positions, model.rope_table, mask, mask_is_table, keys, values,
             self.weights, self.n_head, self.eps, cpu_norm.kernel(self.width) is not None, attention_kernel,
             *self._write(write_rows, write_slots), rows, lengths, norm, eps, output, *_softmax_arguments(softmax))
+        return maybe_softmax(_softmax_after_call(softmax), out)
 
     def tree_step(self, model: "DiscreteGPT", inputs: torch.Tensor, embedded: bool, positions: torch.Tensor,
                   visible: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor],
@@ -783,10 +791,11 @@ class FusedLayers:
         the rotary factors, the additive mask of ``visible``, the layers, the final norm and the output layer (and
         the ``softmax`` of its logits)."""
         embedding, norm, eps, output = self._around_layers(model)
-        return cpu_kernels.extension().tree_step(
+        hidden, out = cpu_kernels.extension().tree_step(
             inputs, None if embedded else embedding, positions, model.rope_table, visible, keys, values, self.weights,
             self.n_head, self.eps, cpu_norm.kernel(self.width) is not None, write_rows, slots, rows, norm, eps, output,
             *_softmax_arguments(softmax))
+        return hidden, maybe_softmax(_softmax_after_call(softmax), out)
 
     def _around_layers(self, model: "DiscreteGPT") -> tuple[torch.Tensor, torch.Tensor, float, torch.Tensor]:
         """The GPT's token embedding, final norm weight and eps, and output weight (the parameters themselves, as
@@ -803,10 +812,11 @@ class FusedLayers:
         (``head_step``): its input layer on the embedded ``tokens`` and the ``features``, the rotary factors, its
         layer under the bool mask ``visible`` and the logits by ``output`` (the target's output layer; and their
         ``softmax``)."""
-        return cpu_kernels.extension().head_step(
+        predicted, out = cpu_kernels.extension().head_step(
             tokens, features, head.embed_tokens.weight, head.fc.weight, head.fc.bias, positions, head.rope_table,
             visible, keys, values, self.weights, self.n_head, self.eps, cpu_norm.kernel(self.width) is not None,
             write_rows, slots, rows, output, *_softmax_arguments(softmax))
+        return predicted, maybe_softmax(_softmax_after_call(softmax), out)
 
     @staticmethod
     def _write(write_rows: Any, write_slots: Any) -> tuple[int, int, torch.Tensor | None, torch.Tensor | None]:
@@ -991,7 +1001,8 @@ class DiscreteGPT(nn.Module):
         if rows is None and prefix is False and self.compiled_decode is not None:
             cache.reserve(positions)  # a compiled step's cache is static: nothing to grow or check
             # The loops only feed positions inside the cache; the compiled step skips the check's host sync.
-            return maybe_softmax(softmax, self.compiled_decode(tokens, positions, cache.keys, cache.values, cache.lengths))
+            logits = self.compiled_decode(tokens, positions, cache.keys, cache.values, cache.lengths)
+            return maybe_softmax(softmax, logits)
         host = host_positions(positions)
         checked = cache.reserve(positions, last=None if host is None else host.last)  # None: a static cache's
         if checked is None and host is not None:  # a static CPU cache: checked here, with the host copy
@@ -1038,10 +1049,8 @@ class DiscreteGPT(nn.Module):
             table = causal_mask_table(positions, span, keys[0].shape[1], like.dtype)
             mask = causal_mask(positions, span, keys[0].shape[1], like.dtype) if table is None else table
             kernel = attend is not F.scaled_dot_product_attention
-            folded = softmax if FUSED_SOFTMAX else None
-            out = fused.step(self, inputs, embedded, positions, mask, table is not None, keys, values, rows,
-                             write_rows, write_slots, lengths, attention_kernel=kernel, softmax=folded)
-            return out if folded is not None else maybe_softmax(softmax, out)
+            return fused.step(self, inputs, embedded, positions, mask, table is not None, keys, values, rows,
+                              write_rows, write_slots, lengths, attention_kernel=kernel, softmax=softmax)
         h = inputs if embedded else self._embed_image(inputs)
         rope = self._rotary(positions)
         if compiled:
@@ -1163,10 +1172,8 @@ class DiscreteGPT(nn.Module):
             hidden = self.forward_tree(tokens, positions, slots, visible, cache, rows, prefix)
             return hidden, maybe_softmax(softmax, self.output(hidden).float())
         rows, write_rows = self._tree_rows(tokens, slots, visible, cache, rows)
-        folded = softmax if FUSED_SOFTMAX else None
-        hidden, out = fused.tree_step(self, self._embed(tokens, positions) if prefix else tokens, prefix, positions,
-                                      visible, cache.keys, cache.values, rows, write_rows, slots, folded)
-        return hidden, out if folded is not None else maybe_softmax(softmax, out)
+        return fused.tree_step(self, self._embed(tokens, positions) if prefix else tokens, prefix, positions, visible,
+                               cache.keys, cache.values, rows, write_rows, slots, softmax)
 
     def _tree_rows(self, tokens: torch.Tensor, slots: torch.Tensor, visible: torch.Tensor, cache: KVCache,
                    rows: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Tensor]:

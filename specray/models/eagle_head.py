@@ -196,10 +196,8 @@ class EagleHead(nn.Module):
             predicted = self.forward_cached(features, tokens, positions, slots, visible, cache, rows)
             return predicted, maybe_softmax(softmax, head_logits(target, predicted))
         rows, write_rows = call_rows(tokens, cache, rows)
-        folded = softmax if discrete_ar.FUSED_SOFTMAX else None
-        predicted, out = fused.head_step(self, features, tokens, positions, visible, cache.keys, cache.values, rows,
-                                         write_rows, slots, target.output.weight, folded)
-        return predicted, out if folded is not None else maybe_softmax(softmax, out)
+        return fused.head_step(self, features, tokens, positions, visible, cache.keys, cache.values, rows, write_rows,
+                               slots, target.output.weight, softmax)
 
 
 def head_logits(target: DiscreteGPT, features: torch.Tensor) -> torch.Tensor:
