@@ -8,10 +8,13 @@ each (:mod:`specray.models.cpu_norm`, ``norm``), and the speculative loops' draw
 one call each (:mod:`specray.methods.discrete.cpu_rounds`, ``rounds``), and a call's attention mask is rows of
 a kept table (:func:`specray.models.discrete_ar.causal_mask`, ``masks``), and a call's layers run in one C++ call
 (:class:`specray.models.discrete_ar.FusedLayers`, ``layers``), with the work around them in that call too (the
-embedding, rotary and mask lookups, cache lengths, final norm and output layer, ``step``; only with ``layers``);
-``torch`` is what every call did before (``SPECRAY_DECODE_KERNEL=0``, static caches, masks built each call, the
-Python layers), ``kernels`` turns on those given by ``--kernels`` (default all eight); ``--both`` names kernels on
-in both settings, to measure one on top of the others (``--kernels norm --both attention,writes,growing``).
+embedding, rotary and mask lookups, cache lengths, final norm and output layer, ``step``; only with ``layers``),
+and a call's decisions read its positions from one host copy (:class:`specray.models.discrete_ar.HostPositions`,
+``host``) and its C++ call makes the default sampler's probabilities (:class:`specray.models.discrete_ar.CfgSoftmax`,
+``softmax``; only with ``step``); ``torch`` is what every call did before (``SPECRAY_DECODE_KERNEL=0``, static caches,
+masks built each call, the Python layers), ``kernels`` turns on those given by ``--kernels`` (default all ten);
+``--both`` names kernels on in both settings, to measure one on top of the others (``--kernels norm --both
+attention,writes,growing``).
 For each batch size and arm (fid50k's: target_only, sd, cool_sd, gamma 4, CFG 1.5, on digits-gpt-target
 with the draft digits-gpt-draft) it prints:
 
@@ -22,7 +25,7 @@ with the draft digits-gpt-draft) it prints:
   are meant to change no bit: 0).
 
     python bench/decode_attention.py [--batches 1,32,128] [--reps 5] [--samples-b1 4]
-                                     [--kernels attention,writes,growing,norm,rounds,masks,layers,step]
+                                     [--kernels attention,writes,growing,norm,rounds,masks,layers,step,host,softmax]
                                      [--both ...]
                                      [--json out.json]
 """
