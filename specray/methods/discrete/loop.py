@@ -114,17 +114,19 @@ class GuidedModel:
         if not self.guided:
             out = self.model.forward_step(tokens, positions, self.cache, rows=None if all_rows else idx,
                                           prefix=prefix, softmax=self.softmax)
-            return out if self.softmax is not None else process_with(self.sampling, out, None)
-        if prefix is False:
-            uncond_tokens = tokens
         else:
-            uncond_tokens = torch.where(positions == 0, self.model.null_prefix(tokens), tokens)
-        out = self.model.forward_step(
-            torch.cat([tokens, uncond_tokens]), torch.cat([positions, positions]), self.cache,
-            rows=None if all_rows else torch.cat([idx, idx + self.batch]), prefix=prefix, softmax=self.softmax,
-        )
+            if prefix is False:
+                uncond_tokens = tokens
+            else:
+                uncond_tokens = torch.where(positions == 0, self.model.null_prefix(tokens), tokens)
+            out = self.model.forward_step(
+                torch.cat([tokens, uncond_tokens]), torch.cat([positions, positions]), self.cache,
+                rows=None if all_rows else torch.cat([idx, idx + self.batch]), prefix=prefix, softmax=self.softmax,
+            )
         if self.softmax is not None:  # the probabilities, made by the call
             return out
+        if not self.guided:
+            return process_with(self.sampling, out, None)
         r = idx.shape[0]
         return process_with(self.sampling, out[:r], out[r:], positions)  # position p predicts token p
 
