@@ -17,7 +17,9 @@ acceptance figures below would give at those measured costs:
 
 Run on a GPU: ``python bench/gpu.py [--dtype bfloat16] [--out gpu.json]``. ``--quick`` runs tiny
 configurations at batch 1 and 2 on the CPU (what the test runs). Medians of ``--reps`` timed calls after
-one warm-up; CUDA is synchronised around every call.
+one warm-up; CUDA is synchronised around every call. Each model is made once, on the device, and ``--out`` is
+written after every batch size (a run stopped early keeps what it measured). ``bench/gpu_session.sh`` runs this
+with the other GPU measurements.
 """
 
 from __future__ import annotations
@@ -84,13 +86,29 @@ def timed(fn: Callable[[], object], device: torch.device, reps: int) -> float:
     return statistics.median(times)
 
 
-def gpt_costs(cfg: dict, batch: int, device: torch.device, dtype: torch.dtype, reps: int) -> dict[str, float]:
-    """One call of 1 token and one of gamma + 1 tokens per row, CFG rows doubled, half the image as context."""
+def build_models(cfg: dict, device: torch.device, dtype: torch.dtype) -> dict[str, torch.nn.Module]:
+    """Every model once, made on ``device`` (random weights: only the cost matters; no host copies to move)."""
+    from diffusers import DiTTransformer2DModel, UNet2DModel
+
+    from specray.models.checkpoints.mar import MARConfig, MARNet
     from specray.models.discrete_ar import DiscreteGPT, GPTConfig
 
+    models: dict[str, torch.nn.Module] = {}
+    with torch.device(device):
+        for name, arch in cfg["gpt"].items():
+            models[name] = DiscreteGPT(GPTConfig(**cfg["gpt_common"], **arch))
+        for name, arch in cfg["mar"].items():
+            models[name] = MARNet(MARConfig(**arch))
+        models["DDPM-CIFAR10"] = UNet2DModel(in_channels=3, out_channels=3, **cfg["unet"])
+        models["DiT-XL-2"] = DiTTransformer2DModel(**cfg["dit"])
+    return {name: model.to(device=device, dtype=dtype).eval() for name, model in models.items()}
+
+
+def gpt_costs(models: dict, cfg: dict, batch: int, device: torch.device, reps: int) -> dict[str, float]:
+    """One call of 1 token and one of gamma + 1 tokens per row, CFG rows doubled, half the image as context."""
     out = {}
-    for name, arch in cfg["gpt"].items():
-        model = DiscreteGPT(GPTConfig(**cfg["gpt_common"], **arch)).to(device=device, dtype=dtype).eval()
+    for name in cfg["gpt"]:
+        model = models[name]
         rows = 2 * batch
         cache = model.new_cache(rows)
         start = model.config.num_image_tokens // 2
@@ -102,14 +120,13 @@ def gpt_costs(cfg: dict, batch: int, device: torch.device, dtype: torch.dtype, r
     return out
 
 
-def mar_costs(cfg: dict, batch: int, device: torch.device, dtype: torch.dtype, reps: int) -> dict[str, float]:
+def mar_costs(models: dict, cfg: dict, batch: int, device: torch.device, dtype: torch.dtype,
+              reps: int) -> dict[str, float]:
     """Encoder/decoder pass (half the tokens visible, CFG rows doubled) plus the DiffLoss chains of 1 or
     gamma tokens per row."""
-    from specray.models.checkpoints.mar import MARConfig, MARNet
-
     out = {}
-    for name, arch in cfg["mar"].items():
-        net = MARNet(MARConfig(**arch)).to(device=device, dtype=dtype).eval()
+    for name in cfg["mar"]:
+        net = models[name]
         rows, L = 2 * batch, net.config.seq_len
         tokens = torch.randn(rows, L, net.config.token_dim, device=device, dtype=dtype)
         mask = torch.zeros(rows, L, dtype=torch.bool, device=device)
@@ -128,18 +145,16 @@ def mar_costs(cfg: dict, batch: int, device: torch.device, dtype: torch.dtype, r
     return out
 
 
-def denoiser_costs(cfg: dict, batch: int, device: torch.device, dtype: torch.dtype, reps: int) -> dict[str, float]:
+def denoiser_costs(models: dict, cfg: dict, batch: int, device: torch.device, dtype: torch.dtype,
+                   reps: int) -> dict[str, float]:
     """A UNet (DDPM-CIFAR10) and a DiT-XL/2 call on B, gamma - 1 and gamma * B states (DiT: CFG doubled)."""
-    from diffusers import DiTTransformer2DModel, UNet2DModel
-
     out = {}
-    unet = UNet2DModel(in_channels=3, out_channels=3, **cfg["unet"]).to(device=device, dtype=dtype).eval()
+    unet, dit = models["DDPM-CIFAR10"], models["DiT-XL-2"]
     size = cfg["unet"]["sample_size"]
     for mult in (1, GAMMA_DIFF - 1, GAMMA_DIFF):
         x = torch.randn(batch * mult, 3, size, size, device=device, dtype=dtype)
         t = torch.full((batch * mult,), 500, device=device)
         out[f"DDPM-CIFAR10/{mult}"] = timed(lambda: unet(x, t).sample, device, reps)
-    dit = DiTTransformer2DModel(**cfg["dit"]).to(device=device, dtype=dtype).eval()
     size = cfg["dit"]["sample_size"]
     for mult in (1, GAMMA_DIFF - 1, GAMMA_DIFF):
         rows = 2 * batch * mult
@@ -181,21 +196,23 @@ def main(argv: list[str] | None = None) -> dict:
     dtype = getattr(torch, args.dtype)
     reps = args.reps or (2 if args.quick else 10)
     torch.backends.cuda.matmul.allow_tf32 = False  # float32 means float32 (TF32 off, as everywhere)
-    rows = []
+    models = build_models(cfg, device, dtype)
+    result = {"device": str(device), "device_name": device_name(device),
+              "dtype": args.dtype, "quick": args.quick, "reps": reps, "torch": torch.__version__, "rows": []}
     for batch in cfg["batches"]:
-        costs = {**gpt_costs(cfg, batch, device, dtype, reps), **mar_costs(cfg, batch, device, dtype, reps),
-                 **denoiser_costs(cfg, batch, device, dtype, reps)}
+        costs = {**gpt_costs(models, cfg, batch, device, reps), **mar_costs(models, cfg, batch, device, dtype, reps),
+                 **denoiser_costs(models, cfg, batch, device, dtype, reps)}
         ratios = {"GPT-XL verify/1": costs[f"GPT-XL/{GAMMA_AR + 1}"] / costs["GPT-XL/1"],
                   "MAR-H window/1": costs[f"MAR-H/{GAMMA_MAR}"] / costs["MAR-H/1"],
                   "DDPM gamma states/1": costs[f"DDPM-CIFAR10/{GAMMA_DIFF}"] / costs["DDPM-CIFAR10/1"],
                   "DiT gamma states/1": costs[f"DiT-XL-2/{GAMMA_DIFF}"] / costs["DiT-XL-2/1"]}
-        rows.append({"batch": batch, "costs_s": costs, "ratios": ratios, "predicted_speedup": predictions(costs, cfg)})
+        result["rows"].append({"batch": batch, "costs_s": costs, "ratios": ratios,
+                               "predicted_speedup": predictions(costs, cfg)})
         print(f"batch {batch}: " + ", ".join(f"{k} {v:.2f}x" for k, v in ratios.items()))
-        print("  predicted: " + ", ".join(f"{k} {v:.2f}x" for k, v in rows[-1]["predicted_speedup"].items()))
-    result = {"device": str(device), "device_name": device_name(device),
-              "dtype": args.dtype, "quick": args.quick, "reps": reps, "torch": torch.__version__, "rows": rows}
-    if args.out is not None:
-        args.out.write_text(json.dumps(result, indent=2))
+        print("  ms: " + ", ".join(f"{k} {v * 1e3:.3g}" for k, v in costs.items()))
+        print("  predicted: " + ", ".join(f"{k} {v:.2f}x" for k, v in result["rows"][-1]["predicted_speedup"].items()))
+        if args.out is not None:  # after every batch: a run stopped early keeps what it measured
+            args.out.write_text(json.dumps(result, indent=2))
     return result
 
 
