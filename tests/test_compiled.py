@@ -98,6 +98,49 @@ def test_a_step_that_fails_to_compile_runs_eager_with_a_warning(tmp_path, monkey
     assert broken.target.compiled_decode == broken.target.decode_all_rows
 
 
+@pytest.mark.slow
+def test_a_call_shape_past_the_recompile_limit_runs_eager_and_says_so_once(tmp_path, caplog):
+    """Compiling raises torch's recompile limit (never lowers it); with the limit at 1 graph, the first call shape
+    compiles, the next ones run eager with one warning (the eager values exactly), and the model stays compiled."""
+    from specray.models.compiled import RECOMPILE_LIMIT
+
+    config = torch._dynamo.config  # set and restored by hand: monkeypatch's undo deletes a config attribute
+    saved = config.recompile_limit
+    torch._dynamo.reset()  # the decode step's graphs counted from none
+    try:
+        eager, compiled = tiny_pair(tmp_path), tiny_pair(tmp_path)
+        config.recompile_limit = 8
+        compile_pair(compiled)
+        assert config.recompile_limit == RECOMPILE_LIMIT
+        config.recompile_limit = RECOMPILE_LIMIT + 36
+        compile_pair(tiny_pair(tmp_path))
+        assert config.recompile_limit == RECOMPILE_LIMIT + 36  # a higher limit stays
+        config.recompile_limit = 1
+
+        def step(model, n):
+            cache = model.new_cache(4)
+            cache.lengths.fill_(5)
+            tokens = torch.randint(0, model.config.vocab_size, (4, n), generator=torch.Generator().manual_seed(n))
+            with torch.inference_mode():
+                return model.forward_step(tokens, (5 + torch.arange(n)).expand(4, n).contiguous(), cache,
+                                          prefix=False)
+
+        graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+        with caplog.at_level("WARNING", logger="specray.models.compiled"):
+            first = step(compiled.target, 1)
+            past = [step(compiled.target, n) for n in (3, 5)]
+        torch.testing.assert_close(first, step(eager.target, 1), rtol=0, atol=1e-5)
+        for n, logits in zip((3, 5), past):
+            assert torch.equal(logits, step(eager.target, n))  # the eager call itself
+        assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs + 1
+        assert caplog.text.count("torch.compile reached its recompile limit") == 1
+        assert "(torch._dynamo.config.recompile_limit = 1) for the decode step" in caplog.text
+        assert compiled.target.compiled_decode != compiled.target.decode_all_rows  # not given up
+    finally:
+        config.recompile_limit = saved
+        torch._dynamo.reset()  # later tests compile under the restored limit
+
+
 def _counts(stats) -> dict:
     """A sample's statistics without the float means in ``extra`` (last-bit differences of the head)."""
     extra = {k: v for k, v in stats.extra.items() if not isinstance(v, float)}

@@ -42,19 +42,40 @@ from specray.models.pair import ModelPair
 
 log = logging.getLogger(__name__)
 
+# Graphs torch may compile for one code object, the decode step's and the head's shared by every model of the
+# process (a module is an input of its graph, not a guard on it). torch's default, 8, is about one batch size's
+# shapes of a pair (decode, verify and catch-up); a job with a tail batch or arms of several gammas needs more.
+# Past the limit a fullgraph compile fails, so the limit is raised (never lowered) when a model compiles, and a
+# call that still hits it runs eager (:func:`_eager_on_failure`).
+RECOMPILE_LIMIT = 64
+
+
+def _allow_recompiles() -> None:
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+
 
 def _eager_on_failure(compiled: Callable, eager: Callable, what: str, give_up: Callable[[], None]) -> Callable:
     """``compiled``, or ``eager`` from the first call that fails to compile on: a compiler that cannot
     build ``what`` (no C++ toolchain, an unsupported op on this device) must not fail the shard, and
-    the eager call samples the same law. ``give_up`` switches the model to eager for good."""
+    the eager call samples the same law. ``give_up`` switches the model to eager for good. A call shape past
+    torch's recompile limit runs eager alone (said once): the shapes compiled already stay compiled."""
+    limit_told = False
 
     def call(*args: torch.Tensor | list[torch.Tensor]) -> torch.Tensor:
+        nonlocal limit_told
         try:
             return compiled(*args)
         except (torch._dynamo.exc.BackendCompilerFailed, torch._dynamo.exc.Unsupported) as exc:
             log.warning("torch.compile failed for %s (%s: %s); this model runs eager from now on",
                         what, type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
             give_up()
+            return eager(*args)
+        except torch._dynamo.exc.FailOnRecompileLimitHit:
+            if not limit_told:
+                limit_told = True
+                log.warning("torch.compile reached its recompile limit (torch._dynamo.config.recompile_limit = %d) "
+                            "for %s; call shapes not compiled yet run eager", torch._dynamo.config.recompile_limit,
+                            what)
             return eager(*args)
 
     return call
@@ -64,6 +85,7 @@ def compile_gpt(model: DiscreteGPT) -> None:
     """Route ``model``'s all-rows decode steps through ``torch.compile`` (idempotent)."""
     if model.compiled_decode is not None:
         return
+    _allow_recompiles()
     cuda = model.output.weight.device.type == "cuda"
     # On a CPU the step's kernels are called from a C++ wrapper, not from Python: at batch 1 that call overhead is
     # what the compiled step has over the eager layers, which run in one C++ call too (discrete_ar.FusedLayers).
@@ -79,6 +101,7 @@ def compile_head(model: torch.nn.Module) -> None:
     if model.compiled_head is not None:
         return
     net = model.head_net
+    _allow_recompiles()
     compiled = torch.compile(net.forward, fullgraph=True, dynamic=True)
 
     def fresh(*args: torch.Tensor) -> torch.Tensor:
