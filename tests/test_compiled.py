@@ -79,11 +79,52 @@ def test_compiled_decode_gives_the_eager_tokens(tmp_path):
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 2
 
 
+@pytest.mark.slow
+def test_the_compiled_step_makes_the_probabilities_in_its_graph(tmp_path, monkeypatch):
+    """A decode step asked for CfgSoftmax(1.5) (CFG rows 4, 1 and 3 tokens): the compiled function is called with
+    it and returns its probabilities, equal to the eager step's within float32 rounding (the kernels differ); with
+    COMPILED_SOFTMAX off the graph returns logits and Python makes the same probabilities. Negative control: the
+    unguided softmax of the same call is far from them."""
+    from specray.models import discrete_ar
+    from specray.models.discrete_ar import CfgSoftmax
+
+    eager, compiled = tiny_pair(tmp_path), tiny_pair(tmp_path)
+    compile_pair(compiled)
+    target = compiled.target
+    asked = []
+    graph = target.compiled_decode
+    target.compiled_decode = lambda *args, **kwargs: asked.append(kwargs.get("softmax")) or graph(*args, **kwargs)
+    softmax = CfgSoftmax(1.5)
+    for n in (1, 3):
+        tokens = torch.randint(0, target.config.vocab_size, (4, n), generator=torch.Generator().manual_seed(n))
+        positions = (5 + torch.arange(n)).expand(4, n).contiguous()
+        calls = {}
+        for name, model in (("eager", eager.target), ("compiled", target)):
+            cache = model.new_cache(4)
+            cache.lengths.fill_(5)
+            with torch.inference_mode():
+                calls[name] = model.forward_step(tokens, positions, cache, prefix=False, softmax=softmax)
+                calls[name + " logits"] = model.forward_step(tokens, positions, cache, prefix=False)
+        with monkeypatch.context() as patch, torch.inference_mode():
+            patch.setattr(discrete_ar, "COMPILED_SOFTMAX", False)
+            cache = target.new_cache(4)
+            cache.lengths.fill_(5)
+            calls["after the graph"] = target.forward_step(tokens, positions, cache, prefix=False, softmax=softmax)
+        assert calls["compiled"].shape == (2, n, target.config.vocab_size)
+        torch.testing.assert_close(calls["compiled"], calls["eager"], rtol=0, atol=1e-6)
+        torch.testing.assert_close(calls["after the graph"], calls["compiled"], rtol=0, atol=1e-6)
+        torch.testing.assert_close(calls["compiled"].sum(-1), torch.ones(2, n), rtol=0, atol=1e-6)
+        unguided = CfgSoftmax(None)(calls["compiled logits"])[:2]
+        assert (unguided - calls["compiled"]).abs().max() > 1e-3
+    # per call shape: the graph asked for the probabilities, for the logits, and for the logits with the switch off
+    assert asked == [softmax, None, None] * 2
+
+
 def test_a_step_that_fails_to_compile_runs_eager_with_a_warning(tmp_path, monkeypatch, caplog):
     import specray.models.compiled as compiled_module
 
     def failing_compile(fn, **options):
-        def compiled(*args):
+        def compiled(*args, **kwargs):
             raise torch._dynamo.exc.Unsupported("no C++ compiler on this node")
         return compiled
 

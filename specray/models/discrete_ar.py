@@ -88,6 +88,10 @@ HOST_POSITIONS = True
 # Whether such a C++ call also makes the probabilities its caller asks for (CfgSoftmax; False: Python makes them
 # from the call's logits, for A/B).
 FUSED_SOFTMAX = True
+# Whether a compiled decode step (specray.models.compiled) makes the probabilities its caller asks for in its graph
+# (False: Python makes them from the graph's logits, for A/B). After a compiled CPU call the six small operations of
+# a batch-1 CfgSoftmax cost 30-46 us, 9 us timed alone; in the graph they are one fused loop.
+COMPILED_SOFTMAX = True
 
 
 @dataclass(frozen=True)
@@ -1001,6 +1005,9 @@ class DiscreteGPT(nn.Module):
         if rows is None and prefix is False and self.compiled_decode is not None:
             cache.reserve(positions)  # a compiled step's cache is static: nothing to grow or check
             # The loops only feed positions inside the cache; the compiled step skips the check's host sync.
+            if COMPILED_SOFTMAX:
+                return self.compiled_decode(tokens, positions, cache.keys, cache.values, cache.lengths,
+                                            softmax=softmax)
             logits = self.compiled_decode(tokens, positions, cache.keys, cache.values, cache.lengths)
             return maybe_softmax(softmax, logits)
         host = host_positions(positions)
