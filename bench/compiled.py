@@ -13,6 +13,8 @@ pair, one eager and one compiled, and prints:
 - ``eager`` / ``compiled``: ms per sample, median over repetitions (interleaved, the order
   alternating), process CPU time on a CPU device (wall time on CUDA);
 - ``ratio``: median over repetitions of eager time / compiled time (> 1: compiled is faster);
+- ``graphs`` (CUDA only): CUDA graphs recorded during the timed repetitions, which should be 0 once the first
+  batch has recorded each shape; more means graphs recorded again batch after batch (a cache at a new address);
 - ``differ``: samples whose output differs between the two paths (of ``samples``). Discrete: the
   tokens or statistics; both are exact samplers of the same law, but last-bit differences can
   change a residual draw (see :mod:`specray.models.compiled`). Continuous: the uint8 images or the
@@ -29,6 +31,7 @@ import json
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -74,6 +77,23 @@ def run(sample, method: str, params: dict, pair, work: list, seed: int, clock: s
     return since(start)[clock], outputs
 
 
+def cuda_graph_recordings() -> Callable[[], int] | None:
+    """A count of the CUDA graphs recorded from now on (torch's compile callbacks), or None without them."""
+    try:
+        from torch._dynamo.callback import CallbackTrigger, callback_handler
+    except ImportError:
+        return None
+    count = 0
+
+    def on_start(args) -> None:
+        nonlocal count
+        if args.callback_trigger == CallbackTrigger.CUDAGRAPH_RECORDING:
+            count += 1
+
+    callback_handler.register_start_callback(on_start)
+    return lambda: count
+
+
 def _same(a, b) -> bool:
     return torch.equal(a[0], b[0]) and a[1] == b[1]
 
@@ -93,8 +113,9 @@ def main(argv: list[str] | None = None) -> None:
     clock = "cpu" if device.type == "cpu" else "wall"
     print(f"# eager vs compiled: on {device}, {device_name(device)}, torch {torch.__version__}, {clock} clock, "
           f"{args.reps} reps")
+    recordings = cuda_graph_recordings() if device.type == "cuda" else None
     print(f"{'family':<10} {'batch':>5} {'method':<12} {'compile_s':>9} {'eager':>10} {'compiled':>10} {'ratio':>6} "
-          f"{'differ':>8}")
+          f"{'graphs':>6} {'differ':>8}")
     rows = []
     for family in args.families.split(","):
         target, draft, load_pair, compile_models, sample, arms = FAMILIES[family]
@@ -109,6 +130,7 @@ def main(argv: list[str] | None = None) -> None:
                 compile_s = time.perf_counter() - began
                 times = {"eager": [], "compiled": []}
                 differ = 0
+                recorded_before = recordings() if recordings else None
                 for rep in range(args.reps):
                     order = [("eager", eager), ("compiled", compiled)][:: 1 if rep % 2 == 0 else -1]
                     outs = {}
@@ -119,13 +141,14 @@ def main(argv: list[str] | None = None) -> None:
                     differ = max(differ, sum(not _same(e, c) for e, c in zip(outs["eager"], outs["compiled"])))
                 ratio = statistics.median(e / c for e, c in zip(times["eager"], times["compiled"]))
                 samples = len(work) * batch
+                graphs = recordings() - recorded_before if recordings else None
                 row = {"family": family, "batch": batch, "method": method, "compile_s": compile_s, "samples": samples,
-                       "differ": differ, "ratio": ratio,
+                       "differ": differ, "ratio": ratio, "cuda_graphs_recorded_in_reps": graphs,
                        **{f"{k}_s_per_sample": statistics.median(v) for k, v in times.items()}}
                 rows.append(row)
                 eager_ms, compiled_ms = (row[f"{k}_s_per_sample"] * 1e3 for k in ("eager", "compiled"))
                 print(f"{family:<10} {batch:>5} {method:<12} {compile_s:>9.1f} {eager_ms:>8.2f}ms {compiled_ms:>8.2f}ms "
-                      f"{ratio:>6.2f} {differ:>4}/{samples}", flush=True)
+                      f"{ratio:>6.2f} {'-' if graphs is None else graphs:>6} {differ:>4}/{samples}", flush=True)
     if args.json is not None:
         args.json.write_text(json.dumps({"device": str(device), "machine": device_name(device), "clock": clock,
                                          "rows": rows}, indent=2))
