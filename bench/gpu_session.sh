@@ -3,11 +3,15 @@
 #   1. bench/vs_official.py --device cuda --size base: LlamaGen GPT-B and MAR-B, specray target_only vs official
 #   2. bench/compiled.py --device cuda: the compiled decode step (CUDA graphs) and head against eager
 #   3. bench/gpu.py --dtype bfloat16: one call against one verify call at the release sizes
-# Usage: RESULTS=folder bash bench/gpu_session.sh [WHEELS] [OFFICIAL]
-#   WHEELS: a folder of wheels for packages the machine's Python lacks (pydantic, diffusers, ...), installed
-#           into /tmp/site first; OFFICIAL: the official LlamaGen/MAR copy (default $SPECRAY_OFFICIAL or /tmp/official).
-# Every part writes its log and JSON under $RESULTS (default gpu-out), and the folder is packed into
-# $ARCHIVE (default $RESULTS.tgz) after each part (one file to bring back; a later part that is killed leaves it whole). A part
+#   4. the compiled decode step at batch 32
+# About 8 minutes at most (the parts' limits, 460 s, and the set-up).
+# Usage: RESULTS=folder ARCHIVE=file.tgz bash bench/gpu_session.sh [WHEELS] [OFFICIAL]
+#   WHEELS: a folder of wheels for packages the machine's Python lacks, installed into /tmp/site first (for an
+#           image with torch, numpy, pyarrow, safetensors, timm and transformers: pydantic, pydantic_core,
+#           annotated_types, typing_inspection, typing_extensions, diffusers, importlib_metadata, lazy-importer);
+#   OFFICIAL: the official LlamaGen/MAR copy (default $SPECRAY_OFFICIAL or /tmp/official).
+# Every part writes its log and JSON under $RESULTS (default gpu-out), and the folder is packed into $ARCHIVE
+# (default $RESULTS.tgz) after each part: one file to bring back, whole even if a later part is killed. A part
 # that fails or runs out of time leaves the others running.
 set -u
 RESULTS=${RESULTS:-gpu-out}
@@ -15,7 +19,8 @@ ARCHIVE=${ARCHIVE:-$RESULTS.tgz}
 WHEELS=${1:-}
 OFFICIAL=${2:-${SPECRAY_OFFICIAL:-/tmp/official}}
 mkdir -p "$RESULTS"
-export PYTHONUNBUFFERED=1 MAX_JOBS=${MAX_JOBS:-8} PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}  # specray from this checkout
+# specray from this checkout (not installed there)
+export PYTHONUNBUFFERED=1 MAX_JOBS=${MAX_JOBS:-8} PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 if [ -n "$WHEELS" ]; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
         "$WHEELS"/*.whl || exit 1
@@ -47,8 +52,11 @@ part vs_llamagen 60 python3 bench/vs_official.py --device cuda --size base --fam
     --reps 3 --official "$OFFICIAL" --json "$RESULTS/vs_llamagen.json"
 part vs_mar 90 python3 bench/vs_official.py --device cuda --size base --families mar --batches 1,8 --reps 2 \
     --mar-steps 25 --official "$OFFICIAL" --json "$RESULTS/vs_mar.json"
-part compiled_discrete 120 python3 bench/compiled.py --device cuda --families discrete --batches 1,32 --reps 3 \
+# Compiling with CUDA graphs takes tens of seconds per call shape: batch 1 first, batch 32's shapes last.
+part compiled_discrete 100 python3 bench/compiled.py --device cuda --families discrete --batches 1 --reps 3 \
     --samples-b1 2 --json "$RESULTS/compiled_discrete.json"
 part compiled_continuous 50 python3 bench/compiled.py --device cuda --families continuous --batches 1,32 --reps 3 \
     --samples-b1 2 --json "$RESULTS/compiled_continuous.json"
 part gpu_sizes 80 python3 bench/gpu.py --device cuda --dtype bfloat16 --reps 5 --out "$RESULTS/gpu_sizes.json"
+part compiled_discrete_b32 80 python3 bench/compiled.py --device cuda --families discrete --batches 32 --reps 3 \
+    --json "$RESULTS/compiled_discrete_b32.json"
