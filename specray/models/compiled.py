@@ -47,8 +47,8 @@ from specray.models.pair import ModelPair
 log = logging.getLogger(__name__)
 
 # Graphs torch may compile for one code object, the decode step's and the head's shared by every model of the
-# process (a module is an input of its graph, not a guard on it). torch's default, 8, is one batch size's shapes
-# of a pair (decode, verify and catch-up, each asked for logits or probabilities); a job with a tail batch or
+# process (a module is an input of its graph, not a guard on it). torch's default, 8, is about one batch size's
+# shapes of a pair (decode, verify and catch-up, each asked for logits or probabilities); a job with a tail batch or
 # arms of several gammas needs more. Past the limit a fullgraph compile fails, so the limit is raised (never
 # lowered) when a model compiles, and a call that still hits it runs eager (:func:`_eager_on_failure`).
 RECOMPILE_LIMIT = 64
