@@ -7,14 +7,14 @@
 // written and read, and whether the norm and attention kernels serve.
 #include "kernels.h"
 
+#include <ATen/ops/_unsafe_view.h>
 #include <ATen/ops/add.h>
 #include <ATen/ops/arange.h>
 #include <ATen/ops/cat.h>
-#include <ATen/ops/embedding.h>
-#include <ATen/ops/index.h>
 #include <ATen/ops/index_select.h>
 #include <ATen/ops/index_put.h>
 #include <ATen/ops/linear.h>
+#include <ATen/ops/mm.h>
 #include <ATen/ops/mul.h>
 #include <ATen/ops/rsqrt.h>
 #include <ATen/ops/scalar_tensor.h>
@@ -37,6 +37,25 @@ at::Tensor torch_rms_norm(const at::Tensor& x, const at::Tensor& weight, const a
                           const at::Tensor& eps) {
   at::Tensor scale = at::sum(x.mul(x), {-1}, /*keepdim=*/true).div_(count).add_(eps).rsqrt_();
   return x.mul(scale).mul_(weight);
+}
+
+// at::linear(x, weight) without a bias as it runs on a CPU: matmul of x and weight.t(), x's leading dimensions
+// folded into the rows of one mm. The same mm on the same arguments, so the same values, in four dispatched
+// operations where linear makes nine (a batch-1 step of the digits draft makes six products, the target 61).
+at::Tensor project(const at::Tensor& x, const at::Tensor& weight) {
+  if (!weight.is_contiguous() || weight.dim() != 2 || x.dim() < 2) {
+    return at::linear(x, weight);
+  }
+  const int64_t in = weight.size(1), out = weight.size(0);
+  at::Tensor transposed = weight.as_strided({in, out}, {1, in}, weight.storage_offset());  // weight.t()
+  if (x.dim() == 2) {
+    return at::mm(x, transposed);
+  }
+  std::vector<int64_t> sizes(x.sizes().begin(), x.sizes().end());
+  sizes.back() = out;
+  // matmul's fold, x.reshape(-1, in): a view of a contiguous x (one operation where reshape dispatches two).
+  at::Tensor rows = x.is_contiguous() ? x.view({-1, in}) : x.reshape({-1, in});
+  return at::_unsafe_view(at::mm(rows, transposed), sizes);
 }
 
 // cache[rows, slots] = x, torch's indexed write (index_put_ without accumulation).
@@ -86,11 +105,15 @@ at::Tensor cached_layers(at::Tensor h, const at::Tensor& rope, const at::Tensor&
     const std::optional<at::Tensor>* w = &weights[7 * i];
     at::Tensor k_cache = keys[i], v_cache = values[i];
     // Attention.forward: q and k rotated in one pass, as one complex product per pair (apply_rotary_complex).
-    at::Tensor qkv = at::linear(w[0] ? norm(h, *w[0]) : h, *w[1]);
-    at::Tensor pairs = qkv.slice(-1, 0, 2 * d).view({r, n, 2 * n_head, head_dim}).unflatten(-1, {-1, 2});
+    at::Tensor qkv = project(w[0] ? norm(h, *w[0]) : h, *w[1]);  // [r, n, 3d], contiguous
+    // qkv[..., :2d] as [r, n, 2 n_head, head_dim / 2, 2] and qkv[..., 2d:] as [r, n, n_head, head_dim]: the views
+    // slice, view and unflatten make, each in one operation.
+    TORCH_CHECK(qkv.is_contiguous(), "cached_layers: the qkv projection is contiguous");
+    const int64_t row = 3 * d, offset = qkv.storage_offset();
+    at::Tensor pairs = qkv.as_strided({r, n, 2 * n_head, head_dim / 2, 2}, {n * row, row, head_dim, 2, 1}, offset);
     at::Tensor qk = at::view_as_real(at::view_as_complex(pairs).mul(rope)).flatten(-2);
     at::Tensor q = qk.slice(2, 0, n_head), k = qk.slice(2, n_head);
-    at::Tensor v = qkv.slice(-1, 2 * d).view({r, n, n_head, head_dim});
+    at::Tensor v = qkv.as_strided({r, n, n_head, head_dim}, {n * row, row, head_dim, 1}, offset + 2 * d);
     if (write_kind == 0) {  // every row at slots start .. start + n - 1
       k_cache.slice(1, start, start + n).copy_(k);
       v_cache.slice(1, start, start + n).copy_(v);
@@ -118,28 +141,34 @@ at::Tensor cached_layers(at::Tensor h, const at::Tensor& rope, const at::Tensor&
     at::Tensor out;
     if (attention_kernel) out = decode_attention(qt, kt, vt, mask, scale);
     if (!out.defined()) out = at::scaled_dot_product_attention(qt, kt, vt, mask);
-    h = h.add(at::linear(out.transpose(1, 2).reshape({r, n, -1}), *w[2]));
+    h = h.add(project(out.transpose(1, 2).reshape({r, n, -1}), *w[2]));
     // FeedForward.forward, in place as there without autograd.
     at::Tensor x = norm(h, *w[3]);
-    at::Tensor gate = at::linear(x, *w[4]), up = at::linear(x, *w[5]);
+    at::Tensor gate = project(x, *w[4]), up = project(x, *w[5]);
     at::silu_(gate).mul_(up);
-    h = h.add(at::linear(gate, *w[6]));
+    h = h.add(project(gate, *w[6]));
   }
   return h;
 }
 
 namespace {
 
+// table[index] for an integer index tensor: the rows of the table (dim 0) at each index, [*index, *row]. The copy
+// of the same rows that at::embedding and at::index make, without their own dispatch around index_select.
+at::Tensor rows_at(const at::Tensor& table, const at::Tensor& index) {
+  std::vector<int64_t> sizes(index.sizes().begin(), index.sizes().end());
+  sizes.insert(sizes.end(), table.sizes().begin() + 1, table.sizes().end());
+  return table.index_select(0, index.reshape({-1})).view(sizes);
+}
+
 // DiscreteGPT._embed_image: the image tokens' rows of the embedding (a token past the vocabulary reads its last).
 at::Tensor embed_image(const at::Tensor& tokens, const at::Tensor& embedding) {
-  return at::embedding(embedding, tokens.clamp(0, embedding.size(0) - 1));
+  return rows_at(embedding, tokens.clamp(0, embedding.size(0) - 1));
 }
 
 // rotary_at: the table's rows at the positions (its last row past its end), as complex factors [r, n, 1, hd / 2].
 at::Tensor rotary_rows(const at::Tensor& positions, const at::Tensor& table) {
-  c10::List<std::optional<at::Tensor>> index;
-  index.push_back(positions.clamp(0, table.size(0) - 1));
-  return at::view_as_complex(table.index(index)).unsqueeze(2);
+  return at::view_as_complex(rows_at(table, positions.clamp(0, table.size(0) - 1))).unsqueeze(2);
 }
 
 // CfgSoftmax (with softmax; else the logits themselves): softmax(uncond + s * (cond - uncond)) of the rows' two
@@ -173,7 +202,7 @@ at::Tensor cached_step(const at::Tensor& inputs, const std::optional<at::Tensor>
                        double norm_eps, const at::Tensor& output, bool softmax, std::optional<double> cfg_scale) {
   at::Tensor h = embedding ? embed_image(inputs, *embedding) : inputs;
   // causal_mask: the rows of its table at the positions, [r, 1, n, span].
-  at::Tensor attend = mask_is_table ? at::embedding(mask, positions).unsqueeze(1) : mask;
+  at::Tensor attend = mask_is_table ? rows_at(mask, positions).unsqueeze(1) : mask;
   h = cached_layers(h, rotary_rows(positions, rope_table), attend, keys, values, weights, n_head, eps, norm_kernel,
                     attention_kernel, write_kind, start, write_rows, write_slots, read_rows);
   // The rows' cache lengths: their last position + 1.
@@ -185,7 +214,7 @@ at::Tensor cached_step(const at::Tensor& inputs, const std::optional<at::Tensor>
   } else {
     lengths.copy_(next);
   }
-  return probabilities(at::linear(final_norm(h, norm_weight, norm_eps, norm_kernel), output), softmax, cfg_scale);
+  return probabilities(project(final_norm(h, norm_weight, norm_eps, norm_kernel), output), softmax, cfg_scale);
 }
 
 std::tuple<at::Tensor, at::Tensor> tree_step(
@@ -201,7 +230,7 @@ std::tuple<at::Tensor, at::Tensor> tree_step(
   h = cached_layers(h, rotary_rows(positions, rope_table), mask, keys, values, weights, n_head, eps, norm_kernel,
                     /*attention_kernel=*/false, /*write_kind=*/2, 0, write_rows, write_slots, read_rows);
   at::Tensor hidden = final_norm(h, norm_weight, norm_eps, norm_kernel);
-  return {hidden, probabilities(at::linear(hidden, output), softmax, cfg_scale)};
+  return {hidden, probabilities(project(hidden, output), softmax, cfg_scale)};
 }
 
 std::tuple<at::Tensor, at::Tensor> head_step(
@@ -216,5 +245,5 @@ std::tuple<at::Tensor, at::Tensor> head_step(
   at::Tensor predicted = cached_layers(h, rotary_rows(positions, rope_table), visible.unsqueeze(1), keys, values,
                                        weights, n_head, eps, norm_kernel, /*attention_kernel=*/false,
                                        /*write_kind=*/2, 0, write_rows, write_slots, read_rows);
-  return {predicted, probabilities(at::linear(predicted, output), softmax, cfg_scale)};
+  return {predicted, probabilities(project(predicted, output), softmax, cfg_scale)};
 }
