@@ -36,6 +36,7 @@ count changes from call to call.
 from __future__ import annotations
 
 import logging
+import types
 from collections.abc import Callable
 from typing import Any
 
@@ -46,16 +47,28 @@ from specray.models.pair import ModelPair
 
 log = logging.getLogger(__name__)
 
-# Graphs torch may compile for one code object, the decode step's and the head's shared by every model of the
-# process (a module is an input of its graph, not a guard on it). torch's default, 8, is about one batch size's
-# shapes of a pair (decode, verify and catch-up, each asked for logits or probabilities); a job with a tail batch or
-# arms of several gammas needs more. Past the limit a fullgraph compile fails, so the limit is raised (never
-# lowered) when a model compiles, and a call that still hits it runs eager (:func:`_eager_on_failure`).
+# Graphs torch may compile for one code object: a model's decode step or head (each its own code, _own_code).
+# torch's default, 8, is a few batch sizes' shapes of a model (decode and verify or catch-up, each asked for logits
+# or probabilities); a job with tail batches or arms of several gammas needs more. Past the limit a fullgraph compile
+# fails, so the limit is raised (never lowered) when a model compiles, and a call that still hits it runs eager
+# (:func:`_eager_on_failure`).
 RECOMPILE_LIMIT = 64
 
 
 def _allow_recompiles() -> None:
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+
+
+def _own_code(method: Callable) -> Callable:
+    """The bound ``method`` with a code object of its own. torch.compile keeps its graphs, and checks their guards
+    at each call, per code object, and a class's models share their methods' code: a draft's decode step then
+    checked the guards of the target's graphs (a hundred tensors each) before its own, 64 us alone and 142 us with
+    the target's three call shapes beside it, at batch 1 on a CPU. Its own code keeps a model's graphs apart."""
+    function = method.__func__
+    own = types.FunctionType(function.__code__.replace(), function.__globals__, function.__name__,
+                             function.__defaults__, function.__closure__)
+    own.__kwdefaults__, own.__qualname__ = function.__kwdefaults__, function.__qualname__
+    return types.MethodType(own, method.__self__)
 
 
 def _eager_on_failure(compiled: Callable, eager: Callable, what: str, give_up: Callable[[], None]) -> Callable:
@@ -93,7 +106,7 @@ def compile_gpt(model: DiscreteGPT) -> None:
     cuda = model.output.weight.device.type == "cuda"
     # On a CPU the step's kernels are called from a C++ wrapper, not from Python: at batch 1 that call overhead is
     # what the compiled step has over the eager layers, which run in one C++ call too (discrete_ar.FusedLayers).
-    compiled = torch.compile(model.decode_all_rows, fullgraph=True, dynamic=False,
+    compiled = torch.compile(_own_code(model.decode_all_rows), fullgraph=True, dynamic=False,
                              mode="reduce-overhead" if cuda else None, options=None if cuda else {"cpp_wrapper": True})
     model.compiled_decode = _eager_on_failure(compiled, model.decode_all_rows, "the decode step",
                                               lambda: setattr(model, "compiled_decode", model.decode_all_rows))
@@ -106,7 +119,7 @@ def compile_head(model: torch.nn.Module) -> None:
         return
     net = model.head_net
     _allow_recompiles()
-    compiled = torch.compile(net.forward, fullgraph=True, dynamic=True)
+    compiled = torch.compile(_own_code(net.forward), fullgraph=True, dynamic=True)
 
     def fresh(*args: torch.Tensor) -> torch.Tensor:
         # Inputs as fresh contiguous tensors: the loop passes views (a timestep expanded from the
