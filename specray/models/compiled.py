@@ -6,7 +6,8 @@ slots per layer, slot = sequence position, written at each row's own positions
 the decode step on every row (:meth:`DiscreteGPT.decode_all_rows`) has fixed shapes and no host
 sync, and ``torch.compile(fullgraph=True)`` captures it whole: one graph per call shape (a
 decode step, a verify of gamma + 1 tokens, a draft catch-up of 2), compiled on first use. On a
-GPU the graphs are also replayed as CUDA graphs (``mode="reduce-overhead"``); the cache tensors
+GPU the graphs are also replayed as CUDA graphs (``triton.cudagraphs``, what ``mode="reduce-overhead"`` sets;
+a mode excludes the options a step needs); the cache tensors
 are then marked static (:meth:`DiscreteGPT.new_cache`), since every step writes them in place, and
 each batch's new cache is recorded once. A step asked for its probabilities (the default sampler's
 ``CfgSoftmax``) makes them in its graph (``discrete_ar.COMPILED_SOFTMAX``): after a compiled CPU call the CFG mix
@@ -22,6 +23,10 @@ draft agree, which magnifies last-bit differences, so a residual draw can change
 job's first 1,024 samples, 0 of 1,024 target_only samples and 2 of 2,048 sd / cool_sd samples
 differed (so too with the probabilities made in the graph). Hence ``compile`` is part of the job's fingerprint,
 and eager stays the default.
+
+A compiled model's step or head has a code object of its own (:func:`_own_code`) and no guards on the model's own
+attributes (``guard_filter_fn``): torch checks a graph's guards at every call, and with the models sharing their
+code and every parameter guarded, a batch-1 CPU step spent more on those checks than on some of its kernels.
 
 **Continuous family: the diffusion head.** A continuous token costs a chain of head calls (50
 steps for the presets), and the head is a small MLP whose time on a CPU is mostly per-operation
@@ -106,8 +111,13 @@ def compile_gpt(model: DiscreteGPT) -> None:
     cuda = model.output.weight.device.type == "cuda"
     # On a CPU the step's kernels are called from a C++ wrapper, not from Python: at batch 1 that call overhead is
     # what the compiled step has over the eager layers, which run in one C++ call too (discrete_ar.FusedLayers).
+    # CUDA graphs on a GPU (mode="reduce-overhead" is this option; a mode excludes options). No guards on the
+    # model's own attributes: its code is its own (_own_code), its parameters are the graph's inputs at each call,
+    # and a model's layers do not change shape; the inputs' and caches' guards stay. A batch-1 CPU step otherwise
+    # checks a guard per parameter and cache tensor (a hundred for the digits target) at every call.
+    options = {"triton.cudagraphs": True} if cuda else {"cpp_wrapper": True}
     compiled = torch.compile(_own_code(model.decode_all_rows), fullgraph=True, dynamic=False,
-                             mode="reduce-overhead" if cuda else None, options=None if cuda else {"cpp_wrapper": True})
+                             options={**options, "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe})
     model.compiled_decode = _eager_on_failure(compiled, model.decode_all_rows, "the decode step",
                                               lambda: setattr(model, "compiled_decode", model.decode_all_rows))
 
@@ -119,7 +129,8 @@ def compile_head(model: torch.nn.Module) -> None:
         return
     net = model.head_net
     _allow_recompiles()
-    compiled = torch.compile(_own_code(net.forward), fullgraph=True, dynamic=True)
+    compiled = torch.compile(_own_code(net.forward), fullgraph=True, dynamic=True,
+                             options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe})
 
     def fresh(*args: torch.Tensor) -> torch.Tensor:
         # Inputs as fresh contiguous tensors: the loop passes views (a timestep expanded from the
