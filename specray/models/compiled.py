@@ -58,10 +58,17 @@ log = logging.getLogger(__name__)
 # fails, so the limit is raised (never lowered) when a model compiles, and a call that still hits it runs eager
 # (:func:`_eager_on_failure`).
 RECOMPILE_LIMIT = 64
+# As this torch names them: older builds (pyproject allows 2.4, as a GPU image keeps its own) may call the limit
+# cache_size_limit and lack the guard filter or the hard-failure error; without them a compile runs as before.
+_LIMIT_NAME = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
+_LIMIT_HIT = tuple(getattr(torch._dynamo.exc, name) for name in ("FailOnRecompileLimitHit", "FailOnCacheLimitHit")
+                   if hasattr(torch._dynamo.exc, name))
+_SKIP_MODULE_GUARDS = getattr(torch.compiler, "skip_guard_on_all_nn_modules_unsafe", None)
+_NO_MODULE_GUARDS = {} if _SKIP_MODULE_GUARDS is None else {"guard_filter_fn": _SKIP_MODULE_GUARDS}
 
 
 def _allow_recompiles() -> None:
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+    setattr(torch._dynamo.config, _LIMIT_NAME, max(getattr(torch._dynamo.config, _LIMIT_NAME), RECOMPILE_LIMIT))
 
 
 def _own_code(method: Callable) -> Callable:
@@ -92,12 +99,12 @@ def _eager_on_failure(compiled: Callable, eager: Callable, what: str, give_up: C
                         what, type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
             give_up()
             return eager(*args, **kwargs)
-        except torch._dynamo.exc.FailOnRecompileLimitHit:
+        except _LIMIT_HIT:
             if not limit_told:
                 limit_told = True
-                log.warning("torch.compile reached its recompile limit (torch._dynamo.config.recompile_limit = %d) "
-                            "for %s; call shapes not compiled yet run eager", torch._dynamo.config.recompile_limit,
-                            what)
+                log.warning("torch.compile reached its recompile limit (torch._dynamo.config.%s = %d) for %s; call "
+                            "shapes not compiled yet run eager", _LIMIT_NAME,
+                            getattr(torch._dynamo.config, _LIMIT_NAME), what)
             return eager(*args, **kwargs)
 
     return call
@@ -117,7 +124,7 @@ def compile_gpt(model: DiscreteGPT) -> None:
     # checks a guard per parameter and cache tensor (a hundred for the digits target) at every call.
     options = {"triton.cudagraphs": True} if cuda else {"cpp_wrapper": True}
     compiled = torch.compile(_own_code(model.decode_all_rows), fullgraph=True, dynamic=False,
-                             options={**options, "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe})
+                             options={**options, **_NO_MODULE_GUARDS})
     model.compiled_decode = _eager_on_failure(compiled, model.decode_all_rows, "the decode step",
                                               lambda: setattr(model, "compiled_decode", model.decode_all_rows))
 
@@ -130,7 +137,7 @@ def compile_head(model: torch.nn.Module) -> None:
     net = model.head_net
     _allow_recompiles()
     compiled = torch.compile(_own_code(net.forward), fullgraph=True, dynamic=True,
-                             options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe})
+                             options=_NO_MODULE_GUARDS or None)
 
     def fresh(*args: torch.Tensor) -> torch.Tensor:
         # Inputs as fresh contiguous tensors: the loop passes views (a timestep expanded from the
