@@ -10,12 +10,18 @@ warmed with ``--warm`` calls, then, after each kind of other work, ``--calls`` c
 - ``another cache``: the same model's calls on another cache of its own (what pricing four positions in
   one timed block did: every call followed another position's);
 - ``the other model``: the other GPT's calls on its cache (what a speculative loop's rounds do);
+- ``Python alone``: the interpreter's own arithmetic for as long (no torch call, next to no memory touched);
+- ``one small op``: one in-place add on 8 floats, made again and again for as long (one short path of torch's code);
 - ``asleep``: the process asleep for as long (no work of its own at all).
+
+"As long" is half the warm-up's time, or each of ``--away-ms`` in turn (the penalty against the time away).
+``--model draft`` times the draft GPT instead, and the other model is then the target.
 
 Each row prints the median over ``--reps`` switches of call k's cost over the warm cost (the median of
 the last calls of the warm-up), for k = 1.. ``--calls``: 1.00 is no penalty.
 
-    python bench/warmup.py [--calls 12] [--reps 8] [--warm 40] [--batch 32] [--position 56]
+    python bench/warmup.py [--calls 12] [--reps 8] [--warm 40] [--batch 32] [--position 56] [--model target]
+                           [--away-ms 0.15,0.5,1.5]
 """
 
 from __future__ import annotations
@@ -53,6 +59,25 @@ def timed(call: Callable[[], object]) -> float:
     return time_call(call, torch.device("cpu"), calls=1, timings=1, warmup=0)["cpu"]
 
 
+def python_alone(seconds: float) -> None:
+    """The interpreter's own work for ``seconds``: integer arithmetic, no torch call (the clock read is a vDSO call,
+    not a system call as the process clock's is)."""
+    end = time.perf_counter() + seconds
+    total = 0
+    while time.perf_counter() < end:
+        for i in range(200):
+            total += i * 3 % 7
+
+
+def one_small_op(seconds: float) -> None:
+    """One in-place add on 8 floats, again and again for ``seconds`` (the clock read as in :func:`python_alone`)."""
+    x = torch.zeros(8)
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        for _ in range(20):
+            x.add_(1.0)
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--calls", type=int, default=12, help="calls timed after each switch")
@@ -60,7 +85,16 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--warm", type=int, default=40, help="calls warming the timed call before each switch")
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--position", type=int, default=56)
+    ap.add_argument("--model", choices=("target", "draft"), default="target", help="the GPT whose calls are timed")
+    ap.add_argument("--away-ms", default=None,
+                    help="comma-separated times away from the call, in ms (default: half the warm-up's time)")
     args = ap.parse_args(argv)
+    try:
+        away = None if args.away_ms is None else [float(ms) / 1e3 for ms in args.away_ms.split(",")]
+    except ValueError:
+        ap.error(f"--away-ms takes comma-separated numbers of milliseconds, got {args.away_ms!r}")
+    if away is not None and any(s <= 0 for s in away):
+        ap.error(f"--away-ms takes times above 0, got {args.away_ms!r}")
     for name in ("calls", "reps", "warm", "batch"):
         if getattr(args, name) < 1:
             ap.error(f"--{name} must be at least 1, got {getattr(args, name)}")
@@ -68,33 +102,38 @@ def main(argv: list[str] | None = None) -> None:
     keep_freed_memory()
     pair = load_pair("digits-gpt-target", "digits-gpt-draft", "cpu")
     max_len = pair.target.max_seq_len
-    subject = gpt_call(pair.target, args.batch, args.position, max_len)
-    others = {"another cache": gpt_call(pair.target, args.batch, args.position, max_len),
-              "the other model": gpt_call(pair.draft, args.batch, args.position, max_len)}
-    print(f"# specray warm-up bench: digits-gpt-target at batch {args.batch}, position {args.position}, on "
+    timed_model, other_model = (pair.target, pair.draft) if args.model == "target" else (pair.draft, pair.target)
+    subject = gpt_call(timed_model, args.batch, args.position, max_len)
+    others = {"another cache": gpt_call(timed_model, args.batch, args.position, max_len),
+              "the other model": gpt_call(other_model, args.batch, args.position, max_len)}
+    work = {"Python alone": python_alone, "one small op": one_small_op, "asleep": time.sleep}
+    print(f"# specray warm-up bench: digits-gpt-{args.model} at batch {args.batch}, position {args.position}, on "
           f"{device_name(torch.device('cpu'))} (1 thread, torch {torch.__version__}); call k after a switch / warm cost, "
           f"median of {args.reps} switches")
+    cases = [(name, seconds) for seconds in (away or [None]) for name in (*others, *work)]
     with generation_context():
-        rows: dict[str, list[list[float]]] = {name: [] for name in (*others, "asleep")}
+        rows: dict[tuple[str, float | None], list[list[float]]] = {case: [] for case in cases}
         warm_costs = []
         for _ in range(args.reps):
-            for name in rows:
+            for name, seconds in cases:
                 warm = [timed(subject) for _ in range(args.warm)]
                 warm_cost = statistics.median(warm[-args.warm // 4:])
                 warm_costs.append(warm_cost)
-                spent = 0.0
-                if name == "asleep":
-                    time.sleep(sum(warm[-args.warm // 2:]))  # as long as half the warm-up took
+                span = sum(warm[-args.warm // 2:]) if seconds is None else seconds  # half the warm-up's time
+                if name in work:
+                    work[name](span)
                 else:
-                    while spent < sum(warm[-args.warm // 2:]):
+                    spent = 0.0
+                    while spent < span:
                         spent += timed(others[name])
-                rows[name].append([timed(subject) / warm_cost for _ in range(args.calls)])
+                rows[name, seconds].append([timed(subject) / warm_cost for _ in range(args.calls)])
     print(f"warm cost {statistics.median(warm_costs) * 1e3:.2f} ms a call")
-    print("| after | " + " | ".join(f"call {k + 1}" for k in range(args.calls)) + " | mean |")
-    print("|---" * (args.calls + 2) + "|")
-    for name, runs in rows.items():
+    print("| after | away | " + " | ".join(f"call {k + 1}" for k in range(args.calls)) + " | mean |")
+    print("|---" * (args.calls + 3) + "|")
+    for (name, seconds), runs in rows.items():
         by_call = [statistics.median(run[k] for run in runs) for k in range(args.calls)]
-        print(f"| {name} | " + " | ".join(f"{r:.2f}" for r in by_call) + f" | {statistics.mean(by_call):.2f} |")
+        span = "half the warm-up" if seconds is None else f"{seconds * 1e3:g} ms"
+        print(f"| {name} | {span} | " + " | ".join(f"{r:.2f}" for r in by_call) + f" | {statistics.mean(by_call):.2f} |")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,40 @@
+"""bench/warmup.py's cases and arguments: no timing is asserted, only which rows it measures and what it refuses."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench import warmup  # noqa: E402
+
+
+def test_every_kind_of_other_work_gets_a_row_per_time_away(capsys):
+    warmup.main(["--batch", "1", "--model", "draft", "--calls", "2", "--reps", "1", "--warm", "2",
+                 "--away-ms", "0.05,0.2"])
+    out = capsys.readouterr().out
+    assert "digits-gpt-draft at batch 1" in out
+    rows = [line for line in out.splitlines() if line.startswith("| ") and not line.startswith("| after")]
+    kinds = ("another cache", "the other model", "Python alone", "one small op", "asleep")
+    assert [row.split(" | ")[:2] for row in rows] == [[f"| {kind}", away] for away in ("0.05 ms", "0.2 ms")
+                                                        for kind in kinds]
+    assert all(len(row.split(" | ")) == 2 + 2 + 1 for row in rows)  # kind, away, two calls, mean
+
+
+@pytest.mark.parametrize("away", ["0.5,x", "0", "-1"])
+def test_a_bad_time_away_is_refused_naming_the_flag(away, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        warmup.main(["--away-ms", away])
+    assert exit_info.value.code != 0
+    assert "--away-ms" in capsys.readouterr().err
+
+
+def test_the_work_between_calls_runs_for_the_time_asked():
+    for work in (warmup.python_alone, warmup.one_small_op):
+        start = time.perf_counter()
+        work(0.01)
+        assert 0.01 <= time.perf_counter() - start < 0.5
