@@ -11,7 +11,7 @@ acceptance figures below would give at those measured costs:
 * MAR-H target, MAR-B draft, CSpD gamma 32: 21 target calls and 243 draft calls per image (spec cspd 7.7);
   a MAR call is the encoder/decoder pass plus the 100-step DiffLoss chains of the tokens it emits.
 * DDPM-CIFAR10 and DiT-XL/2, gamma 7, K = 1000 / 250 steps: block efficiency E (steps per round) of this
-  project's digits benchmark (Free drafter 5.81, Frozen 6.05 at K = 1000; README "Diffusion family"), as
+  project's digits benchmark (Free drafter 5.81, Frozen 6.05 at K = 1000; docs/benchmarks.md, "Diffusion family"), as
   no paper reports one; Free: (K / E) rounds of one call on gamma states; Frozen: one call on 1 + one on
   gamma - 1 states per round.
 

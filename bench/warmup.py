@@ -133,7 +133,8 @@ def main(argv: list[str] | None = None) -> None:
     for (name, seconds), runs in rows.items():
         by_call = [statistics.median(run[k] for run in runs) for k in range(args.calls)]
         span = "half the warm-up" if seconds is None else f"{seconds * 1e3:g} ms"
-        print(f"| {name} | {span} | " + " | ".join(f"{r:.2f}" for r in by_call) + f" | {statistics.mean(by_call):.2f} |")
+        cells = [span, *(f"{r:.2f}" for r in by_call), f"{statistics.mean(by_call):.2f}"]
+        print(f"| {name} | " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":
