@@ -1,5 +1,6 @@
 """Reused cache buffers (specray.models.buffer_reuse): zeroed, never shared, bounded, and the samples unchanged."""
 
+import pytest
 import torch
 
 from specray.methods.discrete.loop import generate_tokens
@@ -32,6 +33,67 @@ def test_a_run_reuses_the_last_runs_buffers_zeroed_again():
         assert {c.data_ptr(), d.data_ptr()} == pointers
         assert torch.equal(c, torch.zeros(3, 4)) and torch.equal(d, torch.zeros(3, 4))
         assert c.is_contiguous() and c.dtype == torch.float32
+
+
+def test_a_run_takes_a_shapes_buffers_in_the_order_the_last_run_took_them():
+    """The same requests in the same order get the same addresses in the same places (a CUDA graph's static inputs:
+    a cache per layer, all of one shape). Handed out last-taken first, the second run's would come reversed."""
+    def run():
+        with buffer_reuse.reusing():
+            return [_zeros(3, 4).data_ptr() for _ in range(4)]
+
+    first = run()
+    assert len(set(first)) == 4
+    assert run() == first
+    assert run() == first
+
+
+def test_off_the_cpu_only_static_buffers_are_pooled():
+    """On another device (meta here: no GPU in CI) a static buffer comes back in the next run; others never enter
+    the pool, whose memory the device's own allocator reuses."""
+    meta = torch.device("meta")
+    buffer_reuse._pool.free = {}
+    with buffer_reuse.reusing():
+        static = buffer_reuse.zeros(4, dtype=torch.float32, device=meta, static=True)
+        buffer_reuse.zeros(5, dtype=torch.float32, device=meta)
+        storage = static.untyped_storage()._cdata
+        del static
+    assert [key[0] for key in buffer_reuse._pool.free] == [(4,)]
+    with buffer_reuse.reusing():
+        again = buffer_reuse.zeros(4, dtype=torch.float32, device=meta, static=True)
+        assert again.untyped_storage()._cdata == storage and again.device == meta
+
+
+def test_a_compiled_steps_caches_keep_their_addresses_from_batch_to_batch():
+    """A compiled model's caches (keys, values and lengths: a CUDA graph's static inputs) are the previous batch's
+    buffers in the same places, batch after batch of a job's arms in turn; the samples are unchanged. The compiled
+    step stands in as the eager one (new_cache only asks whether the model has one); seed 5, batches of 2."""
+    pair = load_pair("digits-gpt-target", "digits-gpt-draft", "cpu")
+    labels, ids = torch.tensor([3, 8]), torch.tensor([0, 1])
+    eager = [generate_tokens(method, {"gamma": 3}, pair, labels, ids, seed=5)[0] for method in ("sd", "cool_sd")]
+    addresses: list[list[int]] = []
+    new_cache = type(pair.target).new_cache
+
+    def recorded(model, *args, **kwargs):
+        cache = new_cache(model, *args, **kwargs)
+        addresses.append([t.data_ptr() for t in (*cache.keys, *cache.values, cache.lengths)])
+        return cache
+
+    for model in (pair.target, pair.draft):
+        model.compiled_decode = model.decode_all_rows
+    try:
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(type(pair.target), "new_cache", recorded)
+            runs = [generate_tokens(method, {"gamma": 3}, pair, labels, ids, seed=5)[0]
+                    for method in ("sd", "cool_sd", "sd")]
+    finally:
+        for model in (pair.target, pair.draft):
+            model.compiled_decode = None
+    assert [torch.equal(tokens, eager[i % 2]) for i, tokens in enumerate(runs)] == [True] * 3
+    target, draft = addresses[0::2], addresses[1::2]  # each run makes the target's cache, then the draft's
+    assert len(target) == len(draft) == 3
+    assert target[1:] == [target[0]] * 2 and draft[1:] == [draft[0]] * 2
+    assert len(set(target[0] + draft[0])) == len(target[0]) + len(draft[0])  # no two caches share a buffer
 
 
 def test_a_buffer_whose_view_outlived_its_run_is_not_handed_out():

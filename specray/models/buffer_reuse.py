@@ -10,8 +10,15 @@ A buffer is handed out again only while nothing but the pool holds its memory (a
 run keeps its buffer out of the pool). The pool drops a buffer that :data:`KEEP_IDLE_RUNS` runs in a
 row did not take, so between runs it holds at most the buffers of the last ``KEEP_IDLE_RUNS + 1``
 runs: enough for a job's arms taking turns batch by batch (fid50k: target_only's caches wait
-through sd's and cool_sd's batches), never more. One pool per thread; GPU memory is not pooled (the
-CUDA caching allocator already reuses it).
+through sd's and cool_sd's batches), never more. One pool per thread. A run takes the buffers of a shape
+in the order the previous run took them, so a run that asks for them in the same order gets the same
+addresses in the same places.
+
+Off the CPU only *static* buffers are pooled: those whose addresses a CUDA graph records (a compiled
+decode step's KV caches, ``torch._dynamo.mark_static_address``). The caching allocator reuses other GPU
+memory by itself, but not at the same addresses, and a recorded graph whose static inputs moved is recorded
+again: once per batch, and past torch's limit on such recordings (128 a graph) never again, the step then
+running without its graph.
 """
 
 from __future__ import annotations
@@ -52,21 +59,22 @@ def reusing() -> Iterator[None]:
     finally:
         taken, _pool.taken, _pool.active = _pool.taken, [], False
         free: dict[_Key, list[tuple[torch.Tensor, int]]] = {}
-        for key, buffers in _pool.free.items():  # not taken by this run
-            free[key] = [(buffer, idle + 1) for buffer, idle in buffers if idle < KEEP_IDLE_RUNS]
-        for buffer in taken:
+        for buffer in taken:  # first, in the order this run took them (zeros hands them out from the front)
             free.setdefault(_key(buffer), []).append((buffer, 0))
+        for key, buffers in _pool.free.items():  # not taken by this run
+            free.setdefault(key, []).extend((buffer, idle + 1) for buffer, idle in buffers if idle < KEEP_IDLE_RUNS)
         _pool.free = {key: buffers for key, buffers in free.items() if buffers}
 
 
-def zeros(*shape: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """``torch.zeros(*shape)``, contiguous; inside :func:`reusing` on a CPU, a free buffer of an earlier run if any."""
+def zeros(*shape: int, dtype: torch.dtype, device: torch.device, static: bool = False) -> torch.Tensor:
+    """``torch.zeros(*shape)``, contiguous; inside :func:`reusing` on a CPU, or on any device where ``static`` (a
+    CUDA graph records its address), a free buffer of an earlier run if any: the first of its shape not yet taken."""
     device = torch.device(device)
-    if not _pool.active or device.type != "cpu":
+    if not _pool.active or (device.type != "cpu" and not static):
         return torch.zeros(*shape, dtype=dtype, device=device)
     candidates = _pool.free.get((tuple(shape), dtype, device), [])
     while candidates:
-        buffer, _ = candidates.pop()
+        buffer, _ = candidates.pop(0)
         if _unshared(buffer):
             buffer.zero_()
             break

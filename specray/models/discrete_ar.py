@@ -618,7 +618,8 @@ def apply_rope(x: torch.Tensor, rope: torch.Tensor | tuple[torch.Tensor, torch.T
     return apply_rotary_factors(x, rope, pair_swap)
 
 
-def kv_slots(*leading: int, max_len: int, n_head: int, head_dim: int, like: torch.Tensor) -> torch.Tensor:
+def kv_slots(*leading: int, max_len: int, n_head: int, head_dim: int, like: torch.Tensor,
+             static: bool = False) -> torch.Tensor:
     """Zeroed K or V slots ``[*leading, slots, n_head, head_dim]`` (the cache's index order) stored
     head-major, ``[*leading, n_head, slots, head_dim]`` in memory: attention reads each head's keys
     contiguously (the CPU attention kernel runs ~30% faster on them; same values, same results).
@@ -626,10 +627,12 @@ def kv_slots(*leading: int, max_len: int, n_head: int, head_dim: int, like: torc
     ``slots`` is ``max_len``, on a CPU rounded up to :func:`cpu_attention_slots`: a call whose span
     reaches the cache's end then sums as one that stops short of it, so a row's bits do not depend on
     how far its batch companions are (69 slots against 64 differ in the last bits on AVX2).
-    Inside :func:`specray.models.buffer_reuse.reusing`, the previous run's slots, zeroed again."""
+    Inside :func:`specray.models.buffer_reuse.reusing`, the previous run's slots, zeroed again (on any device where
+    ``static``: a CUDA graph records their address)."""
     if like.device.type == "cpu":
         max_len = cpu_attention_slots(max_len)
-    storage = buffer_reuse.zeros(*leading, n_head, max_len, head_dim, dtype=like.dtype, device=like.device)
+    storage = buffer_reuse.zeros(*leading, n_head, max_len, head_dim, dtype=like.dtype, device=like.device,
+                                 static=static)
     return storage.transpose(-3, -2)
 
 
@@ -953,7 +956,11 @@ class DiscreteGPT(nn.Module):
         """Empty cache for ``batch_rows`` rows (both CFG halves count as rows)."""
         max_len = self.max_seq_len if max_len is None else max_len
         p = self.output.weight
-        shape = {"max_len": max_len, "n_head": self.config.n_head, "head_dim": self.config.head_dim, "like": p}
+        # A compiled step's caches are static inputs of its CUDA graphs: the same buffers, at the same addresses,
+        # batch after batch (buffer_reuse), or each batch records the graphs again.
+        static = self.compiled_decode is not None
+        shape = {"max_len": max_len, "n_head": self.config.n_head, "head_dim": self.config.head_dim, "like": p,
+                 "static": static}
         prefix_valid = None
         if self.caption_conditioned:
             prefix_valid = torch.ones(batch_rows, self.config.cls_token_num, dtype=torch.bool, device=p.device)
@@ -964,7 +971,7 @@ class DiscreteGPT(nn.Module):
         cache = KVCache(
             keys=[kv_slots(batch_rows, **shape) for _ in self.layers],
             values=[kv_slots(batch_rows, **shape) for _ in self.layers],
-            lengths=torch.zeros(batch_rows, dtype=torch.int64, device=p.device),
+            lengths=buffer_reuse.zeros(batch_rows, dtype=torch.int64, device=p.device, static=static),
             prefix_valid=prefix_valid,
             slots=slots,
         )
