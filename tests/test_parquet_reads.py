@@ -45,6 +45,24 @@ def test_readers_of_whole_files_do_not_use_the_dataset_scanner(tmp_path, monkeyp
     assert prompts.texts[:2] == ("a digit 0", "a digit 1") and prompts.ids[:2] == ("0", "1")
 
 
+def test_whole_file_reads_decode_in_the_calling_thread(tmp_path, monkeypatch):
+    """read_parquet, and so a run store's and a prompt set's reads, asks pyarrow for no threads: its pool reading a
+    Python file object can abort the process at exit (read_parquet's docstring has the counts)."""
+    _shard(tmp_path / "s.parquet")
+    asked: list[object] = []
+    read = pq.ParquetFile.read
+
+    def recording(self, *args, **kwargs):
+        asked.append(kwargs.get("use_threads", "default"))
+        return read(self, *args, **kwargs)
+    monkeypatch.setattr(pq.ParquetFile, "read", recording)
+    with open(tmp_path / "s.parquet", "rb") as handle:
+        assert read_parquet(handle).num_rows == 300
+    assert RunStore(str(tmp_path)).read_table("s.parquet").num_rows == 300
+    assert len(read_prompt_set(str(tmp_path / "s.parquet")).texts) == 300
+    assert asked == [False] * 3
+
+
 def test_processes_that_read_parquet_files_and_exit_exit_cleanly(tmp_path):
     for i in range(4):
         _shard(tmp_path / f"s{i}.parquet", rows=2000)
