@@ -7,10 +7,10 @@ the decode step on every row (:meth:`DiscreteGPT.decode_all_rows`) has fixed sha
 sync, and ``torch.compile(fullgraph=True)`` captures it whole: one graph per call shape (a
 decode step, a verify of gamma + 1 tokens, a draft catch-up of 2), compiled on first use. On a
 GPU the graphs are also replayed as CUDA graphs (``triton.cudagraphs``, what ``mode="reduce-overhead"`` sets;
-a mode excludes the options a step needs); the cache tensors
-are then marked static (:meth:`DiscreteGPT.new_cache`), since every step writes them in place, and each batch's
-caches are the previous batch's buffers at the same addresses (:mod:`~specray.models.buffer_reuse`), so the graphs
-recorded on the first batch of each shape replay on the later ones. A step asked for its probabilities (the default sampler's
+a mode excludes the options a step needs); the cache tensors are then marked static
+(:meth:`DiscreteGPT.new_cache`), since every step writes them in place, and each batch's caches are the previous
+batch's buffers at the same addresses (:mod:`~specray.models.buffer_reuse`), so the graphs recorded on the first
+batch of each shape replay on the later ones. A step asked for its probabilities (the default sampler's
 ``CfgSoftmax``) makes them in its graph (``discrete_ar.COMPILED_SOFTMAX``): after a compiled CPU call the CFG mix
 and softmax cost 30-46 us at batch 1 as separate operations, a fused loop in the graph next to nothing.
 
