@@ -1,6 +1,5 @@
 """Reused cache buffers (specray.models.buffer_reuse): zeroed, never shared, bounded, and the samples unchanged."""
 
-import pytest
 import torch
 
 from specray.methods.discrete.loop import generate_tokens
@@ -64,7 +63,7 @@ def test_off_the_cpu_only_static_buffers_are_pooled():
         assert again.untyped_storage()._cdata == storage and again.device == meta
 
 
-def test_a_compiled_steps_caches_keep_their_addresses_from_batch_to_batch():
+def test_a_compiled_steps_caches_keep_their_addresses_from_batch_to_batch(monkeypatch):
     """A compiled model's caches (keys, values and lengths: a CUDA graph's static inputs) are the previous batch's
     buffers in the same places, batch after batch of a job's arms in turn; the samples are unchanged. The compiled
     step stands in as the eager one (new_cache only asks whether the model has one); seed 5, batches of 2."""
@@ -80,15 +79,9 @@ def test_a_compiled_steps_caches_keep_their_addresses_from_batch_to_batch():
         return cache
 
     for model in (pair.target, pair.draft):
-        model.compiled_decode = model.decode_all_rows
-    try:
-        with pytest.MonkeyPatch.context() as patch:
-            patch.setattr(type(pair.target), "new_cache", recorded)
-            runs = [generate_tokens(method, {"gamma": 3}, pair, labels, ids, seed=5)[0]
-                    for method in ("sd", "cool_sd", "sd")]
-    finally:
-        for model in (pair.target, pair.draft):
-            model.compiled_decode = None
+        monkeypatch.setattr(model, "compiled_decode", model.decode_all_rows)
+    monkeypatch.setattr(type(pair.target), "new_cache", recorded)
+    runs = [generate_tokens(method, {"gamma": 3}, pair, labels, ids, seed=5)[0] for method in ("sd", "cool_sd", "sd")]
     assert [torch.equal(tokens, eager[i % 2]) for i, tokens in enumerate(runs)] == [True] * 3
     target, draft = addresses[0::2], addresses[1::2]  # each run makes the target's cache, then the draft's
     assert len(target) == len(draft) == 3
