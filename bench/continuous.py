@@ -27,6 +27,10 @@ exact with sequential windows; default sampling) it reports:
   8 with ``--quick``, each of calls filling about 20 ms; the median). Predicted time = sum over calls of the cost of
   the call's shape; pred = predicted target_only time / predicted arm time;
 - ``eff`` = speedup / pred (1.0: no more loop overhead than target_only's own loop);
+- ``eff 90%``: a 90 % confidence interval for ``eff``: the order statistics of the paired speedups that bound
+  their median at 90 % or more (:func:`~bench.pricing.median_interval`; of 5 to 7 pairs, the lowest and the
+  highest; of fewer, the same, short of 90 %), over ``pred``. The repetitions' noise, which the median hides: an
+  interval under 0.95 puts the efficiency under 0.95 at that confidence, whichever way one rerun's median falls;
 - ``ovh`` = time / predicted time of the arm's own calls (its loop overhead factor);
 - ``loop``: the loop's own time (outside the model calls, measured in the counting pass) per
   batch-level target call, in ms (a round: a target step or a window's verification), and
@@ -68,7 +72,9 @@ from bench.pricing import (  # noqa: E402
     InterleavedTimer,
     add_common_args,
     batches_of,
+    efficiency_interval,
     finish_report,
+    interval_text,
     optional,
     paired_speedup,
     parse_shape,
@@ -131,6 +137,7 @@ class ClockResult:
     speedup: float  # median over repetitions and batches of (target_only time / this arm's time), same batch
     predicted_speedup: float  # from the call counts and this clock's per-call costs
     efficiency: float  # speedup / predicted_speedup
+    efficiency_interval: tuple[float, float]  # eff 90%: efficiency_interval of the paired speedups
     overhead: float  # median time / predicted time of the arm's own calls
     sequence_predicted: float | None  # predicted speedup from the replays of the calls in sequence (None: --no-replay)
     sequence_efficiency: float | None  # the replays' share of the runs' time over target_only's
@@ -332,7 +339,9 @@ def bench_batch(pair: ModelPair, batch: int, samples: int, reps: int, gamma: int
             speedup = paired_speedup(base, mine)
             clocks[clock] = ClockResult(
                 s_per_sample=statistics.median(rep_totals) / samples, speedup=speedup, predicted_speedup=predicted,
-                efficiency=speedup / predicted, overhead=statistics.median(rep_totals) / pred_time,
+                efficiency=speedup / predicted,
+                efficiency_interval=efficiency_interval(base, mine, predicted),
+                overhead=statistics.median(rep_totals) / pred_time,
                 sequence_predicted=sequence_speedup(runs, base_name, name, clock) if replay else None,
                 sequence_efficiency=sequence_efficiency(runs, base_name, name, clock) if replay else None,
                 reps_s=rep_totals, runs_s=mine,
@@ -371,8 +380,8 @@ def print_table(batch: int, samples: int, reps: int, costs: dict[str, dict[str, 
     print(f"\n## batch {batch}: {samples} samples, {reps} reps, {clock} clock; per call at the full batch: "
           f"{step_costs(costs[clock], batch, gamma, pair.target.config.diffusion_sample_steps, slots)}")
     header = (f"{'method':<17} {'alpha':>6} {'len':>5} {'tgt':>5} {'draft':>6} {'tries':>5} {'caps':>4} "
-              f"{'ms/sample':>10} {'speedup':>8} {'pred':>6} {'eff':>5} {'ovh':>5} {'loop':>6} {'loop%':>5} "
-              f"{'pred-seq':>8} {'eff-seq':>7} | {'speedup':>8} {'eff':>5} ({other})")
+              f"{'ms/sample':>10} {'speedup':>8} {'pred':>6} {'eff':>5} {'eff 90%':>9} {'ovh':>5} {'loop':>6} "
+              f"{'loop%':>5} {'pred-seq':>8} {'eff-seq':>7} | {'speedup':>8} {'eff':>5} ({other})")
     print(header)
     print("-" * len(header))
     per_batch = samples / batch
@@ -383,7 +392,8 @@ def print_table(batch: int, samples: int, reps: int, costs: dict[str, dict[str, 
         m, o = r.clocks[clock], r.clocks[other]
         print(f"{r.name:<17} {alpha:>6} {r.mean_acceptance_length:>5.2f} {tgt:>5.1f} {draft:>6.1f} "
               f"{r.mean_resample_tries:>5.2f} {r.resample_cap_hits:>4} {m.s_per_sample * 1e3:>10.2f} "
-              f"{m.speedup:>8.2f} {m.predicted_speedup:>6.2f} {m.efficiency:>5.2f} {m.overhead:>5.2f} "
+              f"{m.speedup:>8.2f} {m.predicted_speedup:>6.2f} {m.efficiency:>5.2f} "
+              f"{interval_text(m.efficiency_interval):>9} {m.overhead:>5.2f} "
               f"{r.loop_s[clock] / rounds * 1e3:>6.2f} {100 * r.loop_s[clock] / r.total_s[clock]:>5.1f} "
               f"{optional(m.sequence_predicted, '8.2f')} {optional(m.sequence_efficiency, '7.2f')} "
               f"| {o.speedup:>8.2f} {o.efficiency:>5.2f}", flush=True)
@@ -422,7 +432,9 @@ def main(argv: list[str] | None = None) -> None:
     print(f"\n# alpha: draft acceptance rate; len: tokens per target call; tgt, draft: head chains (one per "
           f"model step or verify) per batch; tries, caps: residual proposals per resampled token, cap hits; "
           f"speedup: vs target_only, median of paired runs (same batch, same rep); pred: predicted from the "
-          f"calls, each priced at its own shape; eff = speedup / pred; ovh = time / predicted time; loop: the "
+          f"calls, each priced at its own shape; eff = speedup / pred; "
+          f"eff 90%: a 90 % confidence interval for eff (the median paired speedup's, over pred); "
+          f"ovh = time / predicted time; loop: the "
           f"loop's own time (outside the calls) per target call, in ms, and loop%: its share of the time; "
           f"pred-seq: predicted from each arm's calls replayed in sequence with nothing between them; eff-seq: the "
           f"replays' share of the runs' time over target_only's. "

@@ -21,6 +21,10 @@ spec_block (residual sampler) with the frozen, free and model drafters at gamma 
   that makes >= 10 % of some arm's calls of that model), linear in between. Predicted time = sum over
   calls of the cost of the call's shape;
 - ``eff`` = speedup / pred (1.0: no more loop overhead than target_only's own loop);
+- ``eff 90%``: a 90 % confidence interval for ``eff``: the order statistics of the paired speedups that bound
+  their median at 90 % or more (:func:`~bench.pricing.median_interval`; of 5 to 7 pairs, the lowest and the
+  highest; of fewer, the same, short of 90 %), over ``pred``. The repetitions' noise, which the median hides: an
+  interval under 0.95 puts the efficiency under 0.95 at that confidence, whichever way one rerun's median falls;
 - ``ovh`` = time / predicted time of the arm's own calls (its loop overhead factor);
 - ``run-eff``: the efficiency again, with every timed run split into the time inside its own denoiser
   calls and the rest (its loop): (share of the arm's time in calls) / (share of target_only's), medians
@@ -63,7 +67,9 @@ from bench.pricing import (  # noqa: E402
     InterleavedTimer,
     add_common_args,
     batches_of,
+    efficiency_interval,
     finish_report,
+    interval_text,
     paired_speedup,
     parse_shape,
     per_repetition,
@@ -212,6 +218,7 @@ class ClockResult:
     speedup: float  # median over repetitions of (target_only time / this arm's time), same repetition
     predicted_speedup: float  # from the call counts and this clock's per-call costs
     efficiency: float  # speedup / predicted_speedup
+    efficiency_interval: tuple[float, float]  # eff 90%: efficiency_interval of the paired speedups
     overhead: float  # median time / predicted time of the arm's own calls
     loop_s_per_iteration: float  # median time outside the calls (in-run split; else time - predicted time) / iterations
     run_efficiency: float | None  # efficiency with each run's own time in calls for the predicted (CPU only)
@@ -284,7 +291,9 @@ def bench_config(pair: ModelPair, num_steps: int, batch: int, samples: int, reps
             sequence = sequence_speedup(times, base_name, name, clock) if replays else None
             clocks[clock] = ClockResult(
                 s_per_sample=statistics.median(mine) / samples, speedup=speedup, predicted_speedup=predicted,
-                efficiency=speedup / predicted, overhead=statistics.median(mine) / pred_time,
+                efficiency=speedup / predicted,
+                efficiency_interval=efficiency_interval(base, mine, predicted),
+                overhead=statistics.median(mine) / pred_time,
                 loop_s_per_iteration=(statistics.median(loop) if split else statistics.median(mine) - pred_time)
                 / counts.iterations,
                 run_efficiency=split_efficiency(loop, mine, [t[clock] for t in loop_times[base_name]], base)
@@ -318,8 +327,8 @@ def print_table(num_steps: int, batch: int, samples: int, reps: int, costs: dict
           f"draft on {batch} rows {ms('draft', batch)}")
     print(f"   rows timed: target {timed['target']}, draft {timed['draft']}; linear in between")
     header = (f"{'method':<13} {'BE':>5} {'tgt':>6} {'draft':>6} {'states':>7} {'ms/sample':>10} {'speedup':>8} "
-              f"{'pred':>6} {'eff':>5} {'ovh':>5} {'run-eff':>7} {'loop/rnd':>8} {'pred-seq':>8} {'eff-seq':>7} | "
-              f"{'speedup':>8} {'eff':>5} ({other})")
+              f"{'pred':>6} {'eff':>5} {'eff 90%':>9} {'ovh':>5} {'run-eff':>7} {'loop/rnd':>8} {'pred-seq':>8} "
+              f"{'eff-seq':>7} | {'speedup':>8} {'eff':>5} ({other})")
     print(header)
     print("-" * len(header))
     for r in results:
@@ -328,7 +337,8 @@ def print_table(num_steps: int, batch: int, samples: int, reps: int, costs: dict
         seq = ("-", "-") if m.sequence_predicted is None else (f"{m.sequence_predicted:.2f}", f"{m.sequence_efficiency:.2f}")
         print(f"{r.name:<13} {r.block_efficiency:>5.2f} {r.target_calls:>6.1f} {r.draft_calls:>6.1f} "
               f"{r.states_evaluated:>7.1f} {m.s_per_sample * 1e3:>10.1f} {m.speedup:>8.2f} {m.predicted_speedup:>6.2f} "
-              f"{m.efficiency:>5.2f} {m.overhead:>5.2f} {run_eff:>7} {m.loop_s_per_iteration * 1e3:>8.2f} "
+              f"{m.efficiency:>5.2f} {interval_text(m.efficiency_interval):>9} {m.overhead:>5.2f} {run_eff:>7} "
+              f"{m.loop_s_per_iteration * 1e3:>8.2f} "
               f"{seq[0]:>8} {seq[1]:>7} | "
               f"{o.speedup:>8.2f} {o.efficiency:>5.2f}", flush=True)
 
@@ -363,7 +373,9 @@ def main(argv: list[str] | None = None) -> None:
     took = finish_report(report, args.json)
     print(f"\n# BE: steps per round; tgt, draft: sequential calls per sample; states: target states per sample; "
           f"speedup: vs target_only, median of paired reps; pred: predicted from the calls, each priced at its "
-          f"own shape; eff = speedup / pred; ovh = time / predicted time; run-eff: eff from each run's own split "
+          f"own shape; eff = speedup / pred; "
+          f"eff 90%: a 90 % confidence interval for eff (the median paired speedup's, over pred); "
+          f"ovh = time / predicted time; run-eff: eff from each run's own split "
           f"into calls and loop; loop/rnd: ms outside the calls per round (target_only: per step); pred-seq: "
           f"predicted from each arm's calls replayed in sequence with nothing between them; eff-seq: the replays' "
           f"share of the runs' time over target_only's. "

@@ -31,6 +31,10 @@ sampling with CFG 1.5) it reports:
   load the runs see (calls on fewer rows at a grid of row counts, linear in between), and predicted
   time = sum over calls of the cost of the call's shape;
 - ``eff`` = speedup / pred (1.0: no more loop overhead than target_only's own loop);
+- ``eff 90%``: a 90 % confidence interval for ``eff``: the order statistics of the paired speedups that bound
+  their median at 90 % or more (:func:`~bench.pricing.median_interval`; of 5 to 7 pairs, the lowest and the
+  highest; of fewer, the same, short of 90 %), over ``pred``. The repetitions' noise, which the median hides: an
+  interval under 0.95 puts the efficiency under 0.95 at that confidence, whichever way one rerun's median falls;
 - ``ovh`` = time / predicted time of the arm's own calls (its loop overhead factor);
 - ``run-eff``: the efficiency with each call priced at what it took in the timed runs themselves
   (the time inside the model calls, measured in place): an arm's share of time in its calls over
@@ -80,7 +84,9 @@ from bench.pricing import (  # noqa: E402
     InterleavedTimer,
     add_common_args,
     batches_of,
+    efficiency_interval,
     finish_report,
+    interval_text,
     optional,
     paired_speedup,
     parse_shape,
@@ -156,6 +162,7 @@ class ClockResult:
     speedup: float  # median over repetitions of (target_only time / this arm's time), same repetition
     predicted_speedup: float  # from the call counts and this clock's per-call costs
     efficiency: float  # speedup / predicted_speedup
+    efficiency_interval: tuple[float, float]  # eff 90%: efficiency_interval of the paired speedups
     overhead: float  # median time / predicted time of the arm's own calls
     loop_s_per_target_call: float | None  # median time outside the model calls per target call (CPU only)
     run_efficiency: float | None  # efficiency from each run's own split into calls and loop (CPU only)
@@ -379,7 +386,9 @@ def bench_batch(pairs: dict[str, ModelPair], batch: int, samples: int, reps: int
             sequence = sequence_speedup(times, base_name, name, clock) if replays else None
             clocks[clock] = ClockResult(
                 s_per_sample=statistics.median(mine) / samples, speedup=speedup, predicted_speedup=predicted,
-                efficiency=speedup / predicted, overhead=statistics.median(mine) / pred_time,
+                efficiency=speedup / predicted,
+                efficiency_interval=efficiency_interval(base, mine, predicted),
+                overhead=statistics.median(mine) / pred_time,
                 loop_s_per_target_call=statistics.median(loop) / target_calls if split else None,
                 run_efficiency=split_efficiency(loop, mine, [t[clock] for t in loop_times[base_name]], base)
                 if split else None,
@@ -423,8 +432,8 @@ def print_table(batch: int, samples: int, reps: int, costs: dict[str, dict[str, 
         print(f"   calls on fewer rows (tail rounds) timed at rows {grid}, linear in between; e.g. at 1 row: "
               f"verify {ms('target', gamma + 1, 1)}, draft {ms('draft', 1, 1)}, draft 2 tokens {ms('draft', 2, 1)}")
     header = (f"{'method':<17} {'len':>5} {'alpha':>6} {'tgt':>5} {'draft':>6} {'d2':>5} {'part':>5} {'ms/sample':>10} "
-              f"{'speedup':>8} {'pred':>6} {'eff':>5} {'ovh':>5} {'run-eff':>7} {'loop':>6} {'pred-seq':>8} {'eff-seq':>7} | "
-              f"{'speedup':>8} {'eff':>5} ({other})")
+              f"{'speedup':>8} {'pred':>6} {'eff':>5} {'eff 90%':>9} {'ovh':>5} {'run-eff':>7} {'loop':>6} "
+              f"{'pred-seq':>8} {'eff-seq':>7} | {'speedup':>8} {'eff':>5} ({other})")
     print(header)
     print("-" * len(header))
     per_batch = samples / batch
@@ -439,7 +448,8 @@ def print_table(batch: int, samples: int, reps: int, costs: dict[str, dict[str, 
         m, o = r.clocks[clock], r.clocks[other]
         print(f"{r.name:<17} {r.mean_acceptance_length:>5.2f} {alpha:>6} {tgt:>5.1f} {draft:>6.1f} {two:>5.1f} "
               f"{partial:>5.2f} {m.s_per_sample * 1e3:>10.2f} {m.speedup:>8.2f} {m.predicted_speedup:>6.2f} "
-              f"{m.efficiency:>5.2f} {m.overhead:>5.2f} {optional(m.run_efficiency, '7.2f')} "
+              f"{m.efficiency:>5.2f} {interval_text(m.efficiency_interval):>9} {m.overhead:>5.2f} "
+              f"{optional(m.run_efficiency, '7.2f')} "
               f"{optional(m.loop_s_per_target_call and m.loop_s_per_target_call * 1e3, '6.2f')} "
               f"{optional(m.sequence_predicted, '8.2f')} {optional(m.sequence_efficiency, '7.2f')} | "
               f"{o.speedup:>8.2f} {o.efficiency:>5.2f}", flush=True)
@@ -476,7 +486,9 @@ def main(argv: list[str] | None = None) -> None:
     print(f"\n# len: mean acceptance length (tokens per target call); alpha: draft acceptance rate; tgt, draft: "
           f"batch-level calls per batch; d2: 2-token draft calls per batch; part: share of calls on fewer rows "
           f"than the batch; speedup: vs target_only, median of paired reps; pred: predicted "
-          f"from the calls, each priced at its own shape; eff = speedup / pred; ovh = time / predicted time; "
+          f"from the calls, each priced at its own shape; eff = speedup / pred; "
+          f"eff 90%: a 90 % confidence interval for eff (the median paired speedup's, over pred); "
+          f"ovh = time / predicted time; "
           f"run-eff: eff from each run's own split into calls and loop; loop: ms outside the calls per target call; "
           f"pred-seq: predicted from each arm's calls replayed in sequence with nothing between them; "
           f"eff-seq: the replays' share of the runs' time over target_only's. "
