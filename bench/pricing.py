@@ -24,6 +24,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any, NamedTuple
 
+import scipy.stats
 import torch
 
 from specray.runtime.hardware import device_name
@@ -428,22 +429,19 @@ INTERVAL_LEVEL = 0.9
 
 
 def median_interval(values: Sequence[float], level: float = INTERVAL_LEVEL) -> tuple[float, float]:
-    """A distribution-free confidence interval for the median of independent ``values``: the order statistics
-    ``x_(k)`` and ``x_(n+1-k)`` with the largest ``k`` whose coverage, ``1 - 2 P(Binomial(n, 1/2) < k)``, is at least
-    ``level``; the whole range where even ``k = 1`` falls short (four values or fewer at 0.9). Seven values give
-    their whole range (98 %), fifteen their 4th to 12th (96 %)."""
+    """A distribution-free confidence interval for the median of independent ``values``, scipy's
+    (``quantile_test``): the order statistics ``x_(k)`` and ``x_(n+1-k)`` with the largest ``k`` whose coverage,
+    ``1 - 2 P(Binomial(n, 1/2) < k)``, is at least ``level``. Seven values give their whole range (98 %), fifteen
+    their 4th to 12th (96 %); too few values for the level (four or fewer at 0.9) give their whole range, short of
+    it."""
     xs = sorted(values)
-    n = len(xs)
-    if n == 0:
+    if not xs:
         raise ValueError("median_interval needs at least one value")
-
-    def coverage(k: int) -> float:
-        return 1 - 2 * sum(math.comb(n, i) for i in range(k)) / 2**n
-
-    k = 1
-    while 2 * (k + 1) <= n + 1 and coverage(k + 1) >= level:
-        k += 1
-    return xs[k - 1], xs[n - k]
+    # The interval does not depend on the quantile tested, q.
+    interval = scipy.stats.quantile_test(xs, q=xs[0], p=0.5).confidence_interval(confidence_level=level)
+    if math.isnan(interval.low) or math.isnan(interval.high):
+        return xs[0], xs[-1]
+    return float(interval.low), float(interval.high)
 
 
 def interval_text(interval: tuple[float, float]) -> str:

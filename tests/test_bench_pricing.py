@@ -121,7 +121,7 @@ def test_the_median_interval_takes_the_widest_order_statistics_the_binomial_cove
 
     for n in range(1, 41):
         lo, hi = median_interval(range(n))  # the values are their own ranks - 1
-        k = lo + 1
+        k = int(lo) + 1
         assert hi == n - k  # symmetric: x_(k) and x_(n+1-k)
         coverage = 1 - 2 * binom.cdf(k - 1, n, 0.5)  # P(x_(k) <= median <= x_(n+1-k))
         if n >= 5:  # at 0.9, four values or fewer give their whole range, short of the level
@@ -140,7 +140,7 @@ def test_the_median_interval_covers_a_skewed_laws_median_at_its_level_and_one_st
     import numpy as np
 
     draws = np.sort(np.random.default_rng(0).exponential(size=(20_000, 15)), axis=1)
-    lo, hi = median_interval(range(15))
+    lo, hi = (int(i) for i in median_interval(range(15)))  # the ranks 4 and 12, counted from 0
     median = np.log(2)
     covered = np.mean((draws[:, lo] <= median) & (median <= draws[:, hi]))
     assert covered >= 0.9 + 0.06  # 0.965 - 0.005
