@@ -419,9 +419,14 @@ def split_efficiency(loop: list[float], total: list[float], base_loop: list[floa
     return share(loop, total) / share(base_loop, base_total)
 
 
+def paired_ratios(base: Iterable[float], mine: Iterable[float]) -> list[float]:
+    """Base time / this arm's time, repetition by repetition (the same repetition's two runs)."""
+    return [b / m for b, m in zip(base, mine)]
+
+
 def paired_speedup(base: Iterable[float], mine: Iterable[float]) -> float:
     """Median over repetitions of base time / this arm's time in the same repetition."""
-    return statistics.median(b / m for b, m in zip(base, mine))
+    return statistics.median(paired_ratios(base, mine))
 
 
 # The confidence of the efficiency interval the family benches print (``eff 90%``).
@@ -434,13 +439,13 @@ def median_interval(values: Sequence[float], level: float = INTERVAL_LEVEL) -> t
     ``1 - 2 P(Binomial(n, 1/2) < k)``, is at least ``level``. Seven values give their whole range (98 %), fifteen
     their 4th to 12th (96 %); too few values for the level (four or fewer at 0.9) give their whole range, short of
     it."""
-    xs = sorted(values)
+    xs = list(values)
     if not xs:
         raise ValueError("median_interval needs at least one value")
     # The interval does not depend on the quantile tested, q.
     interval = scipy.stats.quantile_test(xs, q=xs[0], p=0.5).confidence_interval(confidence_level=level)
     if math.isnan(interval.low) or math.isnan(interval.high):
-        return xs[0], xs[-1]
+        return min(xs), max(xs)
     return float(interval.low), float(interval.high)
 
 
@@ -451,9 +456,9 @@ def interval_text(interval: tuple[float, float]) -> str:
 
 def efficiency_interval(base: Iterable[float], mine: Iterable[float], predicted: float,
                         level: float = INTERVAL_LEVEL) -> tuple[float, float]:
-    """``eff 90%``: :func:`median_interval` of the paired speedups (:func:`paired_speedup`'s ratios) over the
-    predicted speedup: the machine's noise from repetition to repetition, which the median alone hides."""
-    lo, hi = median_interval([b / m for b, m in zip(base, mine)], level)
+    """``eff 90%``: :func:`median_interval` of the paired speedups (:func:`paired_ratios`) over the predicted
+    speedup: the machine's noise from repetition to repetition, which the median alone hides."""
+    lo, hi = median_interval(paired_ratios(base, mine), level)
     return lo / predicted, hi / predicted
 
 
