@@ -20,8 +20,15 @@ warmed with ``--warm`` calls, then, after each kind of other work, ``--calls`` c
 Each row prints the median over ``--reps`` switches of call k's cost over the warm cost (the median of
 the last calls of the warm-up), for k = 1.. ``--calls``: 1.00 is no penalty.
 
+``--small-calls`` times three calls of a few microseconds instead, each the first after ``--away-ms`` of the
+interpreter's arithmetic (default 0.05 to 5 ms) against the same call warm (after ``--warm`` calls of itself): one
+in-place torch add on 8 floats, one NumPy add on 64 floats, and the interpreter's own ``sum(range(50))``, which
+needs no vector unit. Wall clock (a vDSO read), medians of ``--reps``: whatever the code, a first call after time
+away pays in proportion to that time.
+
     python bench/warmup.py [--calls 12] [--reps 8] [--warm 40] [--batch 32] [--position 56] [--model target]
                            [--away-ms 0.15,0.5,1.5]
+    python bench/warmup.py --small-calls [--reps 25] [--warm 50] [--away-ms 0.05,0.2,0.5,1,1.5,3,5]
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -78,6 +86,52 @@ def one_small_op(seconds: float) -> None:
             x.add_(1.0)
 
 
+SMALL_CALLS_AWAY_MS = (0.05, 0.2, 0.5, 1.0, 1.5, 3.0, 5.0)
+
+
+def small_calls() -> dict[str, Callable[[], object]]:
+    """Calls of a few microseconds, each on its own code: torch's dispatch and kernel, NumPy's, the interpreter's."""
+    floats = torch.zeros(8)
+    array = np.zeros(64, dtype=np.float32)
+    return {"torch add, 8 floats": lambda: floats.add_(1.0),
+            "NumPy add, 64 floats": lambda: np.add(array, 1.0, out=array),
+            "sum(range(50))": lambda: sum(range(50))}
+
+
+def first_call_after(call: Callable[[], object], away: float, warm: int) -> tuple[float, float]:
+    """Seconds of ``call`` warm (after ``warm`` calls of itself) and of the first call after ``away`` seconds of the
+    interpreter's arithmetic (:func:`python_alone`); wall clock, which reads in nanoseconds without a system call."""
+    for _ in range(warm):
+        call()
+    start = time.perf_counter()
+    call()
+    warm_cost = time.perf_counter() - start
+    python_alone(away)
+    start = time.perf_counter()
+    call()
+    return warm_cost, time.perf_counter() - start
+
+
+def report_small_calls(away: list[float], reps: int, warm: int) -> None:
+    """The ``--small-calls`` table: per call, its warm cost and its first call's after each time away, in µs
+    (medians of ``reps``), with the ratio."""
+    calls = small_calls()
+    print(f"# specray warm-up bench: small calls on {device_name(torch.device('cpu'))} (1 thread, torch "
+          f"{torch.__version__}); the first call after the interpreter's arithmetic against the same call warm, "
+          f"wall clock, median of {reps}")
+    print("| call | warm | " + " | ".join(f"after {seconds * 1e3:g} ms" for seconds in away) + " |")
+    print("|---" * (len(away) + 2) + "|")
+    for name, call in calls.items():
+        warm_costs, cells = [], []
+        for seconds in away:
+            runs = [first_call_after(call, seconds, warm) for _ in range(reps)]
+            warm_costs += [w for w, _ in runs]
+            cells.append(statistics.median(c for _, c in runs))
+        warm_cost = statistics.median(warm_costs)
+        row = [f"{cost * 1e6:.1f} µs ({cost / warm_cost:.2f}×)" for cost in cells]
+        print(f"| {name} | {warm_cost * 1e6:.1f} µs | " + " | ".join(row) + " |")
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--calls", type=int, default=12, help="calls timed after each switch")
@@ -87,7 +141,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--position", type=int, default=56)
     ap.add_argument("--model", choices=("target", "draft"), default="target", help="the GPT whose calls are timed")
     ap.add_argument("--away-ms", default=None,
-                    help="comma-separated times away from the call, in ms (default: half the warm-up's time)")
+                    help="comma-separated times away from the call, in ms (default: half the warm-up's time; "
+                         "with --small-calls 0.05 to 5 ms)")
+    ap.add_argument("--small-calls", action="store_true",
+                    help="time calls of a few microseconds (a torch add, a NumPy add, the interpreter's sum) after "
+                         "time away instead of a GPT's")
     args = ap.parse_args(argv)
     try:
         away = None if args.away_ms is None else [float(ms) / 1e3 for ms in args.away_ms.split(",")]
@@ -99,6 +157,9 @@ def main(argv: list[str] | None = None) -> None:
         if getattr(args, name) < 1:
             ap.error(f"--{name} must be at least 1, got {getattr(args, name)}")
     torch.set_num_threads(1)
+    if args.small_calls:
+        report_small_calls(away or [ms / 1e3 for ms in SMALL_CALLS_AWAY_MS], args.reps, args.warm)
+        return
     keep_freed_memory()
     pair = load_pair("digits-gpt-target", "digits-gpt-draft", "cpu")
     max_len = pair.target.max_seq_len

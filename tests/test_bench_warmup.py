@@ -38,3 +38,29 @@ def test_the_work_between_calls_runs_for_the_time_asked():
         start = time.perf_counter()
         work(0.01)
         assert 0.01 <= time.perf_counter() - start < 0.5
+
+
+def test_small_calls_get_a_row_each_with_a_cell_per_time_away(capsys):
+    warmup.main(["--small-calls", "--reps", "1", "--warm", "2", "--away-ms", "0.05,0.2"])
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.startswith("| ") and not line.startswith("| call")]
+    assert [row.split(" | ")[0] for row in rows] == ["| torch add, 8 floats", "| NumPy add, 64 floats",
+                                                     "| sum(range(50))"]
+    assert all(len(row.split(" | ")) == 2 + 2 for row in rows)  # call, warm, two times away
+    assert "| call | warm | after 0.05 ms | after 0.2 ms |" in out
+
+
+def test_each_small_call_does_its_work():
+    calls = warmup.small_calls()
+    assert calls["sum(range(50))"]() == 1225
+    for name in ("torch add, 8 floats", "NumPy add, 64 floats"):
+        calls[name]()
+        out = calls[name]()
+        assert float(out.sum()) == 2.0 * len(out)  # in place: the same buffer, one added each call
+
+
+def test_the_first_call_after_time_away_is_timed_after_that_time():
+    start = time.perf_counter()
+    warm, first = warmup.first_call_after(lambda: None, 0.01, warm=3)
+    assert time.perf_counter() - start >= 0.01
+    assert 0 <= warm < 0.01 and 0 <= first < 0.01
