@@ -24,11 +24,11 @@ the last calls of the warm-up), for k = 1.. ``--calls``: 1.00 is no penalty.
 interpreter's arithmetic (default 0.05 to 5 ms) against the same call warm (after ``--warm`` calls of itself): one
 in-place torch add on 8 floats, one NumPy add on 64 floats, and the interpreter's own ``sum(range(50))``, which
 needs no vector unit. Wall clock (a vDSO read), medians of ``--reps``: whatever the code, a first call after time
-away pays in proportion to that time.
+away pays more the longer that time.
 
     python bench/warmup.py [--calls 12] [--reps 8] [--warm 40] [--batch 32] [--position 56] [--model target]
                            [--away-ms 0.15,0.5,1.5]
-    python bench/warmup.py --small-calls [--reps 25] [--warm 50] [--away-ms 0.05,0.2,0.5,1,1.5,3,5]
+    python bench/warmup.py --small-calls [--reps 8] [--warm 40] [--away-ms 0.05,0.2,0.5,1,1.5,3,5]
 """
 
 from __future__ import annotations
