@@ -13,6 +13,9 @@ pair, one eager and one compiled, and prints:
 - ``eager`` / ``compiled``: ms per sample, median over repetitions (interleaved, the order
   alternating), process CPU time on a CPU device (wall time on CUDA);
 - ``ratio``: median over repetitions of eager time / compiled time (> 1: compiled is faster);
+- ``ratio 90%``: a 90 % confidence interval for that median (:func:`~bench.pricing.ratio_interval`; of 5 to 7
+  repetitions their lowest and highest ratio, of 15 the 4th to the 12th): "at least as fast" holds at that
+  confidence where its lowest point is 1 or more;
 - ``graphs`` (CUDA only): CUDA graphs recorded during the timed repetitions, which should be 0 once the first
   batch has recorded each shape; more means graphs recorded again batch after batch (a cache at a new address);
 - ``differ``: samples whose output differs between the two paths (of ``samples``). Discrete: the
@@ -38,7 +41,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.pricing import batches_of, since, stamp, sync  # noqa: E402
+from bench.pricing import batches_of, interval_text, paired_speedup, ratio_interval, since, stamp, sync  # noqa: E402
 from specray.methods.continuous.loop import run_batch as run_continuous  # noqa: E402
 from specray.methods.discrete.loop import generate_tokens  # noqa: E402
 from specray.models import continuous_ar, discrete_ar  # noqa: E402
@@ -98,6 +101,15 @@ def _same(a, b) -> bool:
     return torch.equal(a[0], b[0]) and a[1] == b[1]
 
 
+def summary(times: dict[str, list[float]]) -> dict:
+    """The table's timing figures from each path's seconds per sample, repetition by repetition (``eager``,
+    ``compiled``): the medians, the paired ratio and its interval, and the repetitions themselves."""
+    eager, compiled = times["eager"], times["compiled"]
+    return {"ratio": paired_speedup(eager, compiled), "ratio_interval": ratio_interval(eager, compiled),
+            **{f"{k}_s_per_sample": statistics.median(v) for k, v in times.items()},
+            **{f"{k}_reps_s_per_sample": list(v) for k, v in times.items()}}
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cpu")
@@ -115,7 +127,7 @@ def main(argv: list[str] | None = None) -> None:
           f"{args.reps} reps")
     recordings = cuda_graph_recordings() if device.type == "cuda" else None
     print(f"{'family':<10} {'batch':>5} {'method':<12} {'compile_s':>9} {'eager':>10} {'compiled':>10} {'ratio':>6} "
-          f"{'graphs':>6} {'differ':>8}")
+          f"{'ratio 90%':>9} {'graphs':>6} {'differ':>8}")
     rows = []
     for family in args.families.split(","):
         target, draft, load_pair, compile_models, sample, arms = FAMILIES[family]
@@ -139,16 +151,15 @@ def main(argv: list[str] | None = None) -> None:
                         times[name].append(elapsed / (len(work) * batch))
                     # the same on every repetition (both paths are deterministic)
                     differ = max(differ, sum(not _same(e, c) for e, c in zip(outs["eager"], outs["compiled"])))
-                ratio = statistics.median(e / c for e, c in zip(times["eager"], times["compiled"]))
                 samples = len(work) * batch
                 graphs = recordings() - recorded_before if recordings else None
                 row = {"family": family, "batch": batch, "method": method, "compile_s": compile_s, "samples": samples,
-                       "differ": differ, "ratio": ratio, "cuda_graphs_recorded_in_reps": graphs,
-                       **{f"{k}_s_per_sample": statistics.median(v) for k, v in times.items()}}
+                       "differ": differ, "cuda_graphs_recorded_in_reps": graphs, **summary(times)}
                 rows.append(row)
                 eager_ms, compiled_ms = (row[f"{k}_s_per_sample"] * 1e3 for k in ("eager", "compiled"))
                 print(f"{family:<10} {batch:>5} {method:<12} {compile_s:>9.1f} {eager_ms:>8.2f}ms {compiled_ms:>8.2f}ms "
-                      f"{ratio:>6.2f} {'-' if graphs is None else graphs:>6} {differ:>4}/{samples}", flush=True)
+                      f"{row['ratio']:>6.2f} {interval_text(row['ratio_interval']):>9} "
+                      f"{'-' if graphs is None else graphs:>6} {differ:>4}/{samples}", flush=True)
     if args.json is not None:
         args.json.write_text(json.dumps({"device": str(device), "machine": device_name(device), "clock": clock,
                                          "rows": rows}, indent=2))

@@ -454,11 +454,17 @@ def interval_text(interval: tuple[float, float]) -> str:
     return f"{interval[0]:.2f}-{interval[1]:.2f}"
 
 
+def ratio_interval(base: Iterable[float], mine: Iterable[float], level: float = INTERVAL_LEVEL) -> tuple[float, float]:
+    """:func:`median_interval` of the paired ratios base time / this arm's time (:func:`paired_ratios`), the
+    interval of :func:`paired_speedup`: the machine's noise from repetition to repetition, which the median alone
+    hides."""
+    return median_interval(paired_ratios(base, mine), level)
+
+
 def efficiency_interval(base: Iterable[float], mine: Iterable[float], predicted: float,
                         level: float = INTERVAL_LEVEL) -> tuple[float, float]:
-    """``eff 90%``: :func:`median_interval` of the paired speedups (:func:`paired_ratios`) over the predicted
-    speedup: the machine's noise from repetition to repetition, which the median alone hides."""
-    lo, hi = median_interval(paired_ratios(base, mine), level)
+    """``eff 90%``: :func:`ratio_interval` of the paired speedups over the predicted speedup."""
+    lo, hi = ratio_interval(base, mine, level)
     return lo / predicted, hi / predicted
 
 

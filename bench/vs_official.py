@@ -12,7 +12,8 @@ the MAE encoder/decoder's z for a fixed mask and the DiffLoss net's output), the
 on the same batch (labels) and settings, and prints seconds per sample of each and the ratio
 specray throughput / official throughput (the median over repetitions of the paired ratio
 official time / specray time; the two run alternately, the order swapping every repetition, so
-load from other processes hits both alike). Clock: process CPU time on a CPU device (time spent
+load from other processes hits both alike), with a 90 % confidence interval for that median
+(:func:`~bench.pricing.ratio_interval`; of 5 repetitions their lowest and highest ratio). Clock: process CPU time on a CPU device (time spent
 waiting for a core left out; run single-threaded, as this script sets), wall time with CUDA
 synchronised before and after each call on a GPU; the other clock's ratio is printed alongside.
 
@@ -69,7 +70,7 @@ sys.path.insert(0, str(REPO / "tools"))
 
 from official_code import default_root, import_official, missing_files, randomize, tensor_cuda_as_identity  # noqa: E402
 
-from bench.pricing import since, stamp, sync  # noqa: E402
+from bench.pricing import interval_text, median_interval, since, stamp, sync  # noqa: E402
 from specray.families import format_options  # noqa: E402
 
 # Architectures, in specray's option names. "base" is GPT-B / MAR-B over the releases' 16 x 16 token
@@ -119,6 +120,10 @@ class Row:
 
     def ratio(self, clock: str | None = None) -> float:
         return statistics.median(self.ratios[clock or self.clock])
+
+    def interval(self, clock: str | None = None) -> tuple[float, float]:
+        """The 90 % interval of :meth:`ratio` (the ratios are paired already, each within one repetition)."""
+        return median_interval(self.ratios[clock or self.clock])
 
 
 def paired_runs(family: str, official: Callable[[int, int], Any], specray: Callable[[int, int], Any], batch: int,
@@ -356,12 +361,14 @@ FAMILIES = {"llamagen": ("LlamaGen", bench_llamagen), "mar": ("mar", bench_mar)}
 
 def print_table(rows: list[Row]) -> None:
     print(f"\n{'family':<9} {'batch':>5} {'official s/sample':>17} {'specray s/sample':>16} "
-          f"{'specray/official throughput':>27} {'(other clock)':>13}")
+          f"{'specray/official throughput':>27} {'90%':>9} {'(other clock)':>13}")
     for row in rows:
         other = "wall" if row.clock == "cpu" else "cpu"
         print(f"{row.family:<9} {row.batch:>5} {row.per_sample(row.official_s):>17.4f} "
-              f"{row.per_sample(row.specray_s):>16.4f} {row.ratio():>26.2f}x {row.ratio(other):>12.2f}x")
-    print(f"(clock: {rows[0].clock} time; ratio = median over repetitions of official time / specray time)")
+              f"{row.per_sample(row.specray_s):>16.4f} {row.ratio():>26.2f}x {interval_text(row.interval()):>9} "
+              f"{row.ratio(other):>12.2f}x")
+    print(f"(clock: {rows[0].clock} time; ratio = median over repetitions of official time / specray time; 90%: its "
+          "confidence interval)")
 
 
 def parse_args() -> argparse.Namespace:
@@ -415,7 +422,8 @@ def main() -> None:
         print_table(rows)
     if args.json is not None:
         args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
-                                         "rows": [asdict(row) for row in rows]}, indent=1))
+                                         "rows": [{**asdict(row), "ratio_interval": row.interval()} for row in rows]},
+                                        indent=1))
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ from bench.pricing import (  # noqa: E402
     interval_text,
     median_interval,
     per_repetition,
+    ratio_interval,
     run_in_turns,
     shape_cost,
     shape_key,
@@ -154,6 +155,16 @@ def test_the_efficiency_interval_is_the_paired_speedups_interval_over_the_predic
     mine = [10.0, 8.0, 5.0, 9.0, 6.0, 7.0, 4.0]  # paired speedups 1.0 .. 2.5
     assert efficiency_interval(base, mine, 2.0) == pytest.approx((0.5, 1.25))
     assert interval_text((0.8149, 0.9251)) == "0.81-0.93"
+
+
+def test_the_ratio_interval_pairs_each_repetitions_two_times():
+    # The machine's state moves both runs of a repetition alike: paired, the ratios are exactly 1; pooled or sorted
+    # apart, the times would spread the interval from 0.5 to 2.
+    base = [10.0, 20.0, 10.0, 20.0, 10.0, 20.0, 10.0]
+    assert ratio_interval(base, base) == (1.0, 1.0)
+    mine = [5.0, 10.0, 4.0, 8.0, 5.0, 12.5, 8.0]  # paired ratios 2.0, 2.0, 2.5, 2.5, 2.0, 1.6, 1.25
+    assert ratio_interval(base, mine) == pytest.approx((1.25, 2.5))  # seven pairs: their whole range (98 %)
+    assert ratio_interval(base[:5], mine[:5]) == pytest.approx((2.0, 2.5))  # five: the whole range, short of 90 %
 
 
 def test_each_arm_and_its_replay_are_neighbours_and_eff_seq_is_the_ratio_of_their_shares():

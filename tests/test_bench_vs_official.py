@@ -46,3 +46,18 @@ def test_a_partial_copy_names_the_missing_files(tmp_path):
     assert "models/diffloss.py" in message and "diffusion/respace.py" in message
     assert "models/mar.py" not in message.split("missing")[1].split("\n")[0]
     assert str(tmp_path / "mar") not in sys.path
+
+
+def test_the_table_gives_each_ratio_with_its_interval(capsys):
+    sys.path.insert(0, str(REPO))
+    from bench.vs_official import Row, print_table
+
+    row = Row("llamagen", 1, "cpu")
+    row.official_s, row.specray_s = [2.0] * 5, [1.0, 0.8, 1.0, 2.5, 1.6]
+    row.ratios = {"cpu": [2.0, 2.5, 2.0, 0.8, 1.25], "wall": [2.0] * 5}
+    assert row.ratio() == 2.0
+    assert row.interval() == (0.8, 2.5)  # five repetitions: their whole range
+    assert row.interval("wall") == (2.0, 2.0)
+    print_table([row])
+    line = capsys.readouterr().out.splitlines()[2]
+    assert line.split()[4:7] == ["2.00x", "0.80-2.50", "2.00x"]
