@@ -13,9 +13,10 @@ on the same batch (labels) and settings, and prints seconds per sample of each a
 specray throughput / official throughput (the median over repetitions of the paired ratio
 official time / specray time; the two run alternately, the order swapping every repetition, so
 load from other processes hits both alike), with a 90 % confidence interval for that median
-(:func:`~bench.pricing.ratio_interval`; of 5 repetitions their lowest and highest ratio). Clock: process CPU time on a CPU device (time spent
-waiting for a core left out; run single-threaded, as this script sets), wall time with CUDA
-synchronised before and after each call on a GPU; the other clock's ratio is printed alongside.
+(:func:`~bench.pricing.median_interval` of the paired ratios; of 5 repetitions their lowest and
+highest ratio). Clock: process CPU time on a CPU device (time spent waiting for a core left out;
+run single-threaded, as this script sets), wall time with CUDA synchronised before and after each
+call on a GPU; the other clock's ratio is printed alongside.
 
 The official code is imported at run time from a copy kept OUTSIDE this repository (``--official``,
 default ``$SPECRAY_OFFICIAL`` or ``/tmp/official``, holding ``LlamaGen/`` and ``mar/``); README.md
