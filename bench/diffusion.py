@@ -174,7 +174,7 @@ def rows_to_time(counts: list[CallCounts]) -> dict[str, list[int]]:
     return out
 
 
-def _call_of_shape(model: Denoiser, rows: int, num_train_timesteps: int, image_shape: tuple[int, ...],
+def denoiser_call(model: Denoiser, rows: int, num_train_timesteps: int, image_shape: tuple[int, ...],
                    guidance_scale: float, gen: torch.Generator, device: torch.device) -> Any:
     """A zero-argument function making one denoiser call on ``rows`` rows, as the loops make it (under
     the denoiser's own ``no_grad``, not ``inference_mode``)."""
@@ -189,8 +189,8 @@ def cost_timer(pair: ModelPair, rows: dict[str, list[int]], guidance_scale: floa
     costs see the machine's load as the arms do; a shape's cost is the median over rounds."""
     gen = torch.Generator().manual_seed(0)
     steps = pair.info["scheduler"].config.num_train_timesteps
-    calls = {shape_key(role, n): _call_of_shape(pair.target if role == "target" else pair.draft, n, steps,
-                                                pair.info["image_shape"], guidance_scale, gen, pair.device)
+    calls = {shape_key(role, n): denoiser_call(pair.target if role == "target" else pair.draft, n, steps,
+                                               pair.info["image_shape"], guidance_scale, gen, pair.device)
              for role, counts in rows.items() for n in counts}
     return InterleavedTimer(calls, pair.device, seconds=0.025, grad_mode=torch.no_grad)
 

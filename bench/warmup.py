@@ -2,7 +2,7 @@
 
 A family bench prices each call shape back to back with its own kind (``bench/pricing.py``), while a
 speculative loop switches between its draft and target calls every round. On some machines a call costs
-more for a while after other work, well past what refilling the CPU's caches would take. This script
+more for a while after other work, well past what refilling the CPU's caches would take. By default this script
 measures that on the discrete family's GPT calls at batch 32, position 56 (``digits-gpt-target``,
 ``digits-gpt-draft``, CFG 1.5, one torch thread, process CPU time): the call, on a cache of its own, is
 warmed with ``--warm`` calls, then, after each kind of other work, ``--calls`` calls of it are timed one by one:
@@ -15,7 +15,14 @@ warmed with ``--warm`` calls, then, after each kind of other work, ``--calls`` c
 - ``asleep``: the process asleep for as long (no work of its own at all).
 
 "As long" is half the warm-up's time, or each of ``--away-ms`` in turn (the penalty against the time away).
-``--model draft`` times the draft GPT instead, and the other model is then the target.
+``--model draft`` times the draft GPT instead, and the other model is then the target. ``--other-rows`` gives the
+other model's calls another number of rows than ``--batch``.
+
+``--family diffusion`` times the diffusion family's denoiser calls instead (``digits-ddpm``, ``digits-ddpm-draft``,
+as ``bench/diffusion.py`` prices them: ``--batch`` rows at random steps, no guidance), whose other work is then
+``other inputs`` (the same model on other rows) in place of another cache. A speculative diffusion round with the
+model drafter makes its draft's calls on the batch's rows and verifies on up to gamma times as many:
+``--family diffusion --model draft --batch 32 --other-rows 224`` is the draft's first call after such a verify.
 
 Each row prints the median over ``--reps`` switches of call k's cost over the warm cost (the median of
 the last calls of the warm-up), for k = 1.. ``--calls``: 1.00 is no penalty.
@@ -27,13 +34,14 @@ needs no vector unit. Wall clock (a vDSO read), medians of ``--reps``: whatever 
 away pays more the longer that time.
 
     python bench/warmup.py [--calls 12] [--reps 8] [--warm 40] [--batch 32] [--position 56] [--model target]
-                           [--away-ms 0.15,0.5,1.5]
+                           [--away-ms 0.15,0.5,1.5] [--family discrete] [--other-rows BATCH]
     python bench/warmup.py --small-calls [--reps 8] [--warm 40] [--away-ms 0.05,0.2,0.5,1,1.5,3,5]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import sys
 import time
@@ -45,10 +53,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.diffusion import denoiser_call  # noqa: E402
 from bench.pricing import time_call  # noqa: E402
 from specray.methods.discrete.loop import GuidedModel, generation_context  # noqa: E402
 from specray.methods.discrete.params import SD  # noqa: E402
-from specray.models.discrete_ar import load_pair  # noqa: E402
+from specray.models import diffusion, discrete_ar  # noqa: E402
+from specray.models.pair import ModelPair  # noqa: E402
 from specray.runtime.hardware import device_name  # noqa: E402
 from specray.runtime.heap import keep_freed_memory  # noqa: E402
 
@@ -60,6 +70,24 @@ def gpt_call(model: torch.nn.Module, batch: int, position: int, max_len: int) ->
     tokens = torch.randint(0, model.config.vocab_size, (batch, 1), generator=torch.Generator().manual_seed(0))
     positions = torch.full((batch, 1), position)
     return lambda: stream.forward(idx, tokens, positions, all_rows=True, prefix=False)
+
+
+# family: (target, draft, loader, what runs the loops' calls, the name of a call of the timed model on other data)
+FAMILIES = {
+    "discrete": ("digits-gpt-target", "digits-gpt-draft", discrete_ar.load_pair, generation_context, "another cache"),
+    "diffusion": ("digits-ddpm", "digits-ddpm-draft", diffusion.load_pair, contextlib.nullcontext, "other inputs"),
+}
+
+
+def model_call(family: str, pair: ModelPair, model: torch.nn.Module, rows: int, position: int,
+               seed: int) -> Callable[[], object]:
+    """One call of ``model`` (of ``pair``) on ``rows`` rows with data of its own, as the ``family``'s loops make it:
+    a GPT's at ``position`` (:func:`gpt_call`), a denoiser's at random steps (``bench/diffusion.py``'s)."""
+    if family == "discrete":
+        return gpt_call(model, rows, position, pair.target.max_seq_len)
+    steps = pair.info["scheduler"].config.num_train_timesteps
+    return denoiser_call(model, rows, steps, pair.info["image_shape"], 1.0, torch.Generator().manual_seed(seed),
+                         pair.device)
 
 
 def timed(call: Callable[[], object]) -> float:
@@ -139,7 +167,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--warm", type=int, default=40, help="calls warming the timed call before each switch")
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--position", type=int, default=56)
-    ap.add_argument("--model", choices=("target", "draft"), default="target", help="the GPT whose calls are timed")
+    ap.add_argument("--model", choices=("target", "draft"), default="target", help="the model whose calls are timed")
+    ap.add_argument("--family", choices=tuple(FAMILIES), default="discrete",
+                    help="whose models: the discrete family's GPTs or the diffusion family's denoisers")
+    ap.add_argument("--other-rows", type=int, default=None, help="rows of the other model's calls (default --batch)")
     ap.add_argument("--away-ms", default=None,
                     help="comma-separated times away from the call, in ms (default: half the warm-up's time; "
                          "with --small-calls 0.05 to 5 ms)")
@@ -153,26 +184,28 @@ def main(argv: list[str] | None = None) -> None:
         ap.error(f"--away-ms takes comma-separated numbers of milliseconds, got {args.away_ms!r}")
     if away is not None and any(s <= 0 for s in away):
         ap.error(f"--away-ms takes times above 0, got {args.away_ms!r}")
-    for name in ("calls", "reps", "warm", "batch"):
-        if getattr(args, name) < 1:
-            ap.error(f"--{name} must be at least 1, got {getattr(args, name)}")
+    for name in ("calls", "reps", "warm", "batch", "other_rows"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            ap.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     torch.set_num_threads(1)
     if args.small_calls:
         report_small_calls(away or [ms / 1e3 for ms in SMALL_CALLS_AWAY_MS], args.reps, args.warm)
         return
     keep_freed_memory()
-    pair = load_pair("digits-gpt-target", "digits-gpt-draft", "cpu")
-    max_len = pair.target.max_seq_len
+    target, draft, load_pair, context, same_model = FAMILIES[args.family]
+    pair = load_pair(target, draft, torch.device("cpu"))
     timed_model, other_model = (pair.target, pair.draft) if args.model == "target" else (pair.draft, pair.target)
-    subject = gpt_call(timed_model, args.batch, args.position, max_len)
-    others = {"another cache": gpt_call(timed_model, args.batch, args.position, max_len),
-              "the other model": gpt_call(other_model, args.batch, args.position, max_len)}
+    other_rows = args.other_rows or args.batch
+    subject = model_call(args.family, pair, timed_model, args.batch, args.position, seed=0)
+    others = {same_model: model_call(args.family, pair, timed_model, args.batch, args.position, seed=1),
+              "the other model": model_call(args.family, pair, other_model, other_rows, args.position, seed=2)}
     work = {"Python alone": python_alone, "one small op": one_small_op, "asleep": time.sleep}
-    print(f"# specray warm-up bench: digits-gpt-{args.model} at batch {args.batch}, position {args.position}, on "
-          f"{device_name(torch.device('cpu'))} (1 thread, torch {torch.__version__}); call k after a switch / warm cost, "
-          f"median of {args.reps} switches")
+    where = f"position {args.position}" if args.family == "discrete" else "random steps"
+    print(f"# specray warm-up bench: {target if args.model == 'target' else draft} at batch {args.batch}, {where}, "
+          f"the other model on {other_rows} rows, on {device_name(torch.device('cpu'))} (1 thread, torch "
+          f"{torch.__version__}); call k after a switch / warm cost, median of {args.reps} switches")
     cases = [(name, seconds) for seconds in (away or [None]) for name in (*others, *work)]
-    with generation_context():
+    with context():
         rows: dict[tuple[str, float | None], list[list[float]]] = {case: [] for case in cases}
         warm_costs = []
         for _ in range(args.reps):

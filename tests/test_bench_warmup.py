@@ -25,6 +25,35 @@ def test_every_kind_of_other_work_gets_a_row_per_time_away(capsys):
     assert all(len(row.split(" | ")) == 2 + 2 + 1 for row in rows)  # kind, away, two calls, mean
 
 
+def test_the_diffusion_family_times_a_denoiser_after_the_other_models_calls_on_their_own_rows(capsys, monkeypatch):
+    made = []
+    real = warmup.denoiser_call
+
+    def recording(model, rows, *args):
+        made.append((model, rows))
+        return real(model, rows, *args)
+
+    monkeypatch.setattr(warmup, "denoiser_call", recording)
+    warmup.main(["--family", "diffusion", "--model", "draft", "--batch", "2", "--other-rows", "3", "--calls", "2",
+                 "--reps", "1", "--warm", "2", "--away-ms", "0.05"])
+    out = capsys.readouterr().out
+    assert "digits-ddpm-draft at batch 2, random steps, the other model on 3 rows" in out
+    rows = [line for line in out.splitlines() if line.startswith("| ") and not line.startswith("| after")]
+    kinds = ("other inputs", "the other model", "Python alone", "one small op", "asleep")
+    assert [row.split(" | ")[:2] for row in rows] == [[f"| {kind}", "0.05 ms"] for kind in kinds]
+    # The timed call and its other inputs are the draft's on the batch's rows, the other model's the target's on 3.
+    draft, target = made[0][0], made[2][0]
+    assert made == [(draft, 2), (draft, 2), (target, 3)] and draft is not target
+    assert sum(p.numel() for p in draft.parameters()) < sum(p.numel() for p in target.parameters())  # the draft
+
+
+def test_other_rows_below_one_are_refused_naming_the_flag(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        warmup.main(["--other-rows", "0"])
+    assert exit_info.value.code != 0
+    assert "--other-rows must be at least 1, got 0" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("away", ["0.5,x", "0", "-1"])
 def test_a_bad_time_away_is_refused_naming_the_flag(away, capsys):
     with pytest.raises(SystemExit) as exit_info:
