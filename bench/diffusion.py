@@ -175,7 +175,7 @@ def rows_to_time(counts: list[CallCounts]) -> dict[str, list[int]]:
 
 
 def denoiser_call(model: Denoiser, rows: int, num_train_timesteps: int, image_shape: tuple[int, ...],
-                   guidance_scale: float, gen: torch.Generator, device: torch.device) -> Any:
+                  guidance_scale: float, gen: torch.Generator, device: torch.device) -> Any:
     """A zero-argument function making one denoiser call on ``rows`` rows, as the loops make it (under
     the denoiser's own ``no_grad``, not ``inference_mode``)."""
     x = torch.randn(rows, *image_shape, generator=gen).to(device)
