@@ -46,6 +46,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -72,22 +73,37 @@ def gpt_call(model: torch.nn.Module, batch: int, position: int, max_len: int) ->
     return lambda: stream.forward(idx, tokens, positions, all_rows=True, prefix=False)
 
 
-# family: (target, draft, loader, what runs the loops' calls, the name of a call of the timed model on other data)
-FAMILIES = {
-    "discrete": ("digits-gpt-target", "digits-gpt-draft", discrete_ar.load_pair, generation_context, "another cache"),
-    "diffusion": ("digits-ddpm", "digits-ddpm-draft", diffusion.load_pair, contextlib.nullcontext, "other inputs"),
-}
+def gpt_call_of(pair: ModelPair, model: torch.nn.Module, rows: int, position: int, seed: int) -> Callable[[], object]:
+    """:func:`gpt_call` of ``model`` (of ``pair``) on ``rows`` rows (its tokens are seeded on their own)."""
+    return gpt_call(model, rows, position, pair.target.max_seq_len)
 
 
-def model_call(family: str, pair: ModelPair, model: torch.nn.Module, rows: int, position: int,
-               seed: int) -> Callable[[], object]:
-    """One call of ``model`` (of ``pair``) on ``rows`` rows with data of its own, as the ``family``'s loops make it:
-    a GPT's at ``position`` (:func:`gpt_call`), a denoiser's at random steps (``bench/diffusion.py``'s)."""
-    if family == "discrete":
-        return gpt_call(model, rows, position, pair.target.max_seq_len)
+def denoiser_call_of(pair: ModelPair, model: torch.nn.Module, rows: int, position: int,
+                     seed: int) -> Callable[[], object]:
+    """A call of the denoiser ``model`` (of ``pair``) on ``rows`` rows at random steps, no guidance, its inputs drawn
+    from ``seed``, as ``bench/diffusion.py`` prices it (``position`` has no meaning here)."""
     steps = pair.info["scheduler"].config.num_train_timesteps
     return denoiser_call(model, rows, steps, pair.info["image_shape"], 1.0, torch.Generator().manual_seed(seed),
                          pair.device)
+
+
+@dataclass(frozen=True)
+class Family:
+    target: str
+    draft: str
+    load_pair: Callable[..., ModelPair]
+    context: Callable[[], contextlib.AbstractContextManager]  # what the family's loops run their calls in
+    call: Callable[..., Callable[[], object]]  # (pair, model, rows, position, seed) -> one call
+    same_model: str  # the row of the timed model's calls on other data
+    where: str  # the calls' place, for the header ({position}: --position)
+
+
+FAMILIES = {
+    "discrete": Family("digits-gpt-target", "digits-gpt-draft", discrete_ar.load_pair, generation_context, gpt_call_of,
+                       "another cache", "position {position}"),
+    "diffusion": Family("digits-ddpm", "digits-ddpm-draft", diffusion.load_pair, contextlib.nullcontext,
+                        denoiser_call_of, "other inputs", "random steps"),
+}
 
 
 def timed(call: Callable[[], object]) -> float:
@@ -192,20 +208,21 @@ def main(argv: list[str] | None = None) -> None:
         report_small_calls(away or [ms / 1e3 for ms in SMALL_CALLS_AWAY_MS], args.reps, args.warm)
         return
     keep_freed_memory()
-    target, draft, load_pair, context, same_model = FAMILIES[args.family]
-    pair = load_pair(target, draft, torch.device("cpu"))
+    family = FAMILIES[args.family]
+    pair = family.load_pair(family.target, family.draft, torch.device("cpu"))
     timed_model, other_model = (pair.target, pair.draft) if args.model == "target" else (pair.draft, pair.target)
     other_rows = args.other_rows or args.batch
-    subject = model_call(args.family, pair, timed_model, args.batch, args.position, seed=0)
-    others = {same_model: model_call(args.family, pair, timed_model, args.batch, args.position, seed=1),
-              "the other model": model_call(args.family, pair, other_model, other_rows, args.position, seed=2)}
+    subject = family.call(pair, timed_model, args.batch, args.position, seed=0)
+    others = {family.same_model: family.call(pair, timed_model, args.batch, args.position, seed=1),
+              "the other model": family.call(pair, other_model, other_rows, args.position, seed=2)}
     work = {"Python alone": python_alone, "one small op": one_small_op, "asleep": time.sleep}
-    where = f"position {args.position}" if args.family == "discrete" else "random steps"
-    print(f"# specray warm-up bench: {target if args.model == 'target' else draft} at batch {args.batch}, {where}, "
-          f"the other model on {other_rows} rows, on {device_name(torch.device('cpu'))} (1 thread, torch "
-          f"{torch.__version__}); call k after a switch / warm cost, median of {args.reps} switches")
+    timed_name = family.target if args.model == "target" else family.draft
+    where = family.where.format(position=args.position)
+    print(f"# specray warm-up bench: {timed_name} at batch {args.batch}, {where}, the other model on {other_rows} "
+          f"rows, on {device_name(torch.device('cpu'))} (1 thread, torch {torch.__version__}); call k after a switch / "
+          f"warm cost, median of {args.reps} switches")
     cases = [(name, seconds) for seconds in (away or [None]) for name in (*others, *work)]
-    with context():
+    with family.context():
         rows: dict[tuple[str, float | None], list[list[float]]] = {case: [] for case in cases}
         warm_costs = []
         for _ in range(args.reps):
