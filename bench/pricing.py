@@ -449,9 +449,9 @@ def median_interval(values: Sequence[float], level: float = INTERVAL_LEVEL) -> t
     return float(interval.low), float(interval.high)
 
 
-def interval_text(interval: tuple[float, float]) -> str:
+def interval_text(interval: tuple[float, float], digits: int = 2) -> str:
     """An interval as the tables print it: ``0.81-0.93``."""
-    return f"{interval[0]:.2f}-{interval[1]:.2f}"
+    return f"{interval[0]:.{digits}f}-{interval[1]:.{digits}f}"
 
 
 def ratio_interval(base: Iterable[float], mine: Iterable[float], level: float = INTERVAL_LEVEL) -> tuple[float, float]:

@@ -1,0 +1,161 @@
+"""Efficiency across runs: reports of one family bench, each run in its own process, combined.
+
+A family bench's ``eff 90%`` counts the noise between the repetitions of one run. Runs of the same code minutes
+apart can disagree by more than that: on the AVX-512 development machine two runs of ``bench/diffusion.py --batches
+1`` gave block verification with the Frozen drafter 0.926-0.962 and 0.976-1.001 (``docs/benchmarks.md``). What
+stays fixed for a process's life (where its memory lies, the prices it measured) moves every repetition of a run
+alike, so only runs in separate processes sample it.
+
+This script reads the ``--json`` reports of one family bench (``bench/discrete.py``, ``continuous.py`` or
+``diffusion.py``; the same models, gamma, clock and machine), one report per run, and prints for each batch size
+(and number of steps) and speculative arm: each run's efficiency, their median, a confidence interval for that
+median over the runs (:func:`~bench.pricing.median_interval`: of five runs their lowest and highest, 94 %), the
+verdict against ``--threshold`` (met where the interval's lowest point reaches it, under where its highest point
+does not, else undecided), and the widest of the runs' own intervals. Fewer than five runs cannot reach 90 %: the
+header gives the interval's coverage.
+
+    for k in 1 2 3 4 5; do python bench/diffusion.py --batches 1 --reps 9 --no-replay --json runs/d$k.json; done
+    python bench/across_runs.py runs/d*.json [--threshold 0.95] [--json across.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import scipy.stats
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.pricing import INTERVAL_LEVEL, interval_text, median_interval  # noqa: E402
+
+# What every report must share: the same bench on the same machine (reps and seeds may differ).
+SAME = ("target", "draft", "head", "gamma", "device", "machine", "threads", "torch", "clock")
+BASE_ARM = "target_only"  # the speedups' base: efficiency 1 by definition
+
+
+@dataclass
+class Row:
+    group: str  # "batch 32", or "K=100, batch 1" for the diffusion bench
+    arm: str
+    efficiencies: list[float]  # one per run, in the order given
+    median: float
+    interval: tuple[float, float]  # for the median over the runs
+    verdict: str  # met, under or undecided against the threshold
+    within: tuple[float, float]  # the lowest and highest point of the runs' own intervals
+
+
+def interval_coverage(runs: int, level: float = INTERVAL_LEVEL) -> float:
+    """The coverage of :func:`~bench.pricing.median_interval` of ``runs`` values: that of the order statistics
+    ``x_(k)``, ``x_(runs+1-k)`` with the largest ``k`` reaching ``level``, or of the whole range where none does."""
+    binomial = scipy.stats.binom(runs, 0.5)
+    reaching = [k for k in range(1, runs // 2 + 1) if 1 - 2 * binomial.cdf(k - 1) >= level]
+    return float(1 - 2 * binomial.cdf(max(reaching, default=1) - 1))
+
+
+def verdict(interval: tuple[float, float], threshold: float) -> str:
+    if interval[0] >= threshold:
+        return "met"
+    return "under" if interval[1] < threshold else "undecided"
+
+
+def groups(report: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
+    """A report's arms by group: ``batches`` (discrete, continuous) or ``configs`` (diffusion, with its steps)."""
+    entries = report.get("batches", report.get("configs"))
+    if entries is None:
+        raise ValueError("has neither 'batches' nor 'configs': not a family bench's --json report")
+    return {(f"K={e['num_steps']}, " if "num_steps" in e else "") + f"batch {e['batch']}": e["arms"] for e in entries}
+
+
+def combine(reports: dict[str, dict[str, Any]], threshold: float,
+            level: float = INTERVAL_LEVEL) -> list[Row]:
+    """Rows for every group and speculative arm of the first report, from all ``reports`` ``{file name: report}``;
+    a report that differs from the first in a field of :data:`SAME`, or lacks one of its groups or arms, is refused
+    by name."""
+    (first_name, first), *others = reports.items()
+    for name, report in others:
+        for field in SAME:
+            if report.get(field) != first.get(field):
+                raise ValueError(f"{name}: {field!r} is {report.get(field)!r}, but {first.get(field)!r} in "
+                                 f"{first_name}: combine runs of one bench on one machine")
+    by_report = {}
+    for name, report in reports.items():
+        try:
+            by_report[name] = groups(report)
+        except ValueError as e:
+            raise ValueError(f"{name}: {e}") from None
+    clock = first["clock"]
+    rows = []
+    for group, arms in by_report[first_name].items():
+        for arm in (a["name"] for a in arms if a["name"] != BASE_ARM):
+            measured = []
+            for name, report_groups in by_report.items():
+                found = [a for a in report_groups.get(group, []) if a["name"] == arm]
+                if not found:
+                    raise ValueError(f"{name}: no arm {arm!r} at {group}; {first_name} has it")
+                measured.append(found[0]["clocks"][clock])
+            efficiencies = [m["efficiency"] for m in measured]
+            interval = median_interval(efficiencies, level)
+            rows.append(Row(group, arm, efficiencies, statistics.median(efficiencies), interval,
+                            verdict(interval, threshold),
+                            (min(m["efficiency_interval"][0] for m in measured),
+                             max(m["efficiency_interval"][1] for m in measured))))
+    return rows
+
+
+def table(rows: list[Row], runs: int, coverage: float) -> str:
+    lines = []
+    for group in dict.fromkeys(r.group for r in rows):
+        lines += [f"\n## {group}", f"{'arm':<18} " + " ".join(f"{f'run {k + 1}':>6}" for k in range(runs)) +
+                  f" {'median':>6} {f'runs {coverage:.0%}':>11} {f'verdict {coverage:.0%}':>11} {'runs own 90%':>12}"]
+        lines += [f"{r.arm:<18} " + " ".join(f"{e:>6.3f}" for e in r.efficiencies) + f" {r.median:>6.3f} "
+                  f"{interval_text(r.interval, 3):>11} {r.verdict:>11} {interval_text(r.within, 3):>12}"
+                  for r in rows if r.group == group]
+    return "\n".join(lines)
+
+
+def header(first: dict[str, Any], runs: int, coverage: float, threshold: float) -> str:
+    models = f"{first['target']} vs {first['draft']}" + (f" and {first['head']}" if first.get("head") else "")
+    short = "" if coverage >= INTERVAL_LEVEL else f"; fewer than 5 runs fall short of {INTERVAL_LEVEL:.0%}"
+    return (f"# efficiency across {runs} runs, each its own process ({first['clock']} clock): {models}, gamma "
+            f"{first['gamma']}, {first['machine']}; the runs' median and its {coverage:.0%} interval "
+            f"(distribution-free), threshold {threshold}{short}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("reports", type=Path, nargs="+", help="--json reports of one family bench, one per run")
+    ap.add_argument("--threshold", type=float, default=0.95, help="the efficiency an arm must reach (default 0.95)")
+    ap.add_argument("--json", type=Path, default=None, help="write the rows as JSON here")
+    args = ap.parse_args(argv)
+    twice = [path for path in dict.fromkeys(args.reports) if args.reports.count(path) > 1]
+    if twice:
+        ap.error(f"{twice[0]}: given more than once; each run's report counts once")
+    if len(args.reports) < 2:
+        ap.error("give the reports of at least two runs: one run has no spread across runs")
+    reports = {}
+    for path in args.reports:
+        try:
+            reports[str(path)] = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            ap.error(f"{path}: cannot read a JSON report: {e}")
+    try:
+        rows = combine(reports, args.threshold)
+    except ValueError as e:
+        ap.error(str(e))
+    runs, coverage = len(reports), interval_coverage(len(reports))
+    print(header(next(iter(reports.values())), runs, coverage, args.threshold))
+    print(table(rows, runs, coverage))
+    if args.json is not None:
+        args.json.write_text(json.dumps({"runs": [str(p) for p in args.reports], "coverage": coverage,
+                                         "threshold": args.threshold, "rows": [asdict(r) for r in rows]}, indent=2))
+        print(f"\n# wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,107 @@
+"""bench/across_runs.py's verdicts from the runs' reports: no timing here, only how the runs are combined."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.across_runs import combine, interval_coverage, main  # noqa: E402
+
+
+def arm(name: str, efficiency: float, own: tuple[float, float]) -> dict:
+    return {"name": name, "clocks": {"cpu": {"efficiency": efficiency, "efficiency_interval": list(own)}}}
+
+
+def report(arms: list[dict], gamma: int = 4, layout: str = "batches") -> dict:
+    group = {"batch": 32, "arms": [arm("target_only", 1.0, (1.0, 1.0)), *arms]}
+    if layout == "configs":
+        group["num_steps"] = 100
+    return {"target": "t", "draft": "d", "gamma": gamma, "device": "cpu", "machine": "m", "threads": 1,
+            "torch": "2", "clock": "cpu", layout: [group]}
+
+
+def five_runs(effs: dict[str, list[float]], own: dict[str, tuple[float, float]] | None = None,
+              layout: str = "batches") -> dict[str, dict]:
+    return {f"run{k}.json": report([arm(name, values[k], (own or {}).get(name, (values[k] - 0.01, values[k] + 0.01)))
+                                    for name, values in effs.items()], layout=layout) for k in range(5)}
+
+
+def test_five_runs_give_their_range_at_94_percent_and_a_verdict_against_the_threshold():
+    # "fast": every run's own interval is wide (0.90-1.05): pooling those would leave it undecided.
+    rows = combine(five_runs({"fast": [0.99, 0.96, 0.97, 0.98, 1.00], "slow": [0.90, 0.94, 0.91, 0.93, 0.92],
+                              "near": [0.93, 0.97, 0.95, 0.94, 0.96]}, own={"fast": (0.90, 1.05)}), threshold=0.95)
+    by_arm = {r.arm: r for r in rows}
+    assert by_arm["fast"].within == pytest.approx((0.90, 1.05))
+    assert set(by_arm) == {"fast", "slow", "near"}  # the base arm is not a speculative one
+    assert by_arm["fast"].median == pytest.approx(0.98)
+    assert by_arm["fast"].interval == pytest.approx((0.96, 1.00))
+    assert [r.verdict for r in rows] == ["met", "under", "undecided"]
+    assert by_arm["slow"].efficiencies == [0.90, 0.94, 0.91, 0.93, 0.92]  # in the order the runs were given
+    assert by_arm["slow"].within == pytest.approx((0.89, 0.95))
+
+
+def test_runs_each_sure_of_themselves_but_disagreeing_leave_the_verdict_undecided():
+    # Every run's own interval is decisive (three well above 0.95, two well under): one run alone would settle it
+    # either way; across the runs it is undecided.
+    effs = [0.98, 0.91, 0.99, 0.92, 0.97]
+    runs = {f"run{k}.json": report([arm("sd", e, (e - 0.005, e + 0.005))]) for k, e in enumerate(effs)}
+    (row,) = combine(runs, threshold=0.95)
+    assert row.verdict == "undecided"
+    assert row.interval == pytest.approx((0.91, 0.99))
+    assert row.median == pytest.approx(0.97)
+
+
+def test_the_diffusion_layout_groups_by_steps_and_batch():
+    rows = combine(five_runs({"token free": [0.96] * 5}, layout="configs"), threshold=0.95)
+    assert [(r.group, r.arm, r.verdict) for r in rows] == [("K=100, batch 32", "token free", "met")]
+
+
+def test_coverage_of_the_interval_by_the_number_of_runs():
+    assert interval_coverage(5) == pytest.approx(1 - 2 / 32)  # the whole range of five
+    assert interval_coverage(2) == pytest.approx(0.5)  # too few: the whole range, short of 90 %
+    assert interval_coverage(15) == pytest.approx(1 - 2 * 576 / 2**15)  # the 4th to the 12th of fifteen
+
+
+def test_reports_of_another_bench_or_machine_are_refused_by_file_and_field():
+    runs = five_runs({"sd": [0.95] * 5})
+    runs["run3.json"]["gamma"] = 7
+    with pytest.raises(ValueError, match=r"run3\.json: 'gamma' is 7, but 4 in run0\.json"):
+        combine(runs, threshold=0.95)
+
+
+def test_a_report_without_an_arm_of_the_first_is_refused_by_name():
+    runs = five_runs({"sd": [0.95] * 5, "block": [0.95] * 5})
+    runs["run2.json"]["batches"][0]["arms"].pop()
+    with pytest.raises(ValueError, match=r"run2\.json: no arm 'block' at batch 32"):
+        combine(runs, threshold=0.95)
+
+
+def test_the_command_line_prints_the_table_and_exits_non_zero_on_a_bad_file(tmp_path, capsys):
+    paths = []
+    for name, rep in five_runs({"sd": [0.96, 0.97, 0.98, 0.96, 0.99]}).items():
+        paths.append(tmp_path / name)
+        paths[-1].write_text(json.dumps(rep))
+    main([*map(str, paths), "--json", str(tmp_path / "across.json")])
+    out = capsys.readouterr().out
+    assert "runs 94%" in out and "0.960-0.990" in out and " met " in out
+    assert json.loads((tmp_path / "across.json").read_text())["rows"][0]["verdict"] == "met"
+    (tmp_path / "bad.json").write_text("{not json")
+    with pytest.raises(SystemExit) as exit_info:
+        main([str(paths[0]), str(tmp_path / "bad.json")])
+    assert exit_info.value.code == 2
+    assert "bad.json: cannot read a JSON report" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("twice", [False, True])
+def test_one_run_or_a_file_given_twice_is_refused(tmp_path, capsys, twice):
+    path = tmp_path / "run0.json"
+    path.write_text(json.dumps(five_runs({"sd": [0.96] * 5})["run0.json"]))
+    with pytest.raises(SystemExit) as exit_info:
+        main([str(path)] * (2 if twice else 1))
+    assert exit_info.value.code == 2
+    assert ("run0.json: given more than once" if twice else "at least two runs") in capsys.readouterr().err
