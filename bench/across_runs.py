@@ -1,8 +1,9 @@
 """Efficiency across runs: reports of one family bench, each run in its own process, combined.
 
-A family bench's ``eff 90%`` counts the noise between the repetitions of one run. Runs of the same code minutes
-apart can disagree by more than that: on the AVX-512 development machine two runs of ``bench/diffusion.py --batches
-1`` gave block verification with the Frozen drafter 0.926-0.962 and 0.976-1.001 (``docs/benchmarks.md``). What
+A family bench's ``eff 90%`` counts the noise between the repetitions of one run. Runs of the same code, each in its
+own process, can disagree by more than that: on the AVX-512 development machine two runs of ``bench/diffusion.py
+--batches 1`` gave block verification with the Frozen drafter 0.926-0.962 and 0.976-1.001, and five runs at batch 32,
+minutes apart, gave it with the Free drafter 0.865 twice and 0.935-0.942 three times (``docs/benchmarks.md``). What
 stays fixed for a process's life (where its memory lies, the prices it measured) moves every repetition of a run
 alike, so only runs in separate processes sample it.
 
