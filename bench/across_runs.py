@@ -99,7 +99,11 @@ def combine(reports: dict[str, dict[str, Any]], threshold: float,
                 found = [a for a in report_groups.get(group, []) if a["name"] == arm]
                 if not found:
                     raise ValueError(f"{name}: no arm {arm!r} at {group}; {first_name} has it")
-                measured.append(found[0]["clocks"][clock])
+                figures = found[0].get("clocks", {}).get(clock, {})
+                if not {"efficiency", "efficiency_interval"} <= figures.keys():
+                    raise ValueError(f"{name}: arm {arm!r} at {group} has no efficiency and interval on the {clock} "
+                                     "clock (a report from before the benches printed eff 90%?)")
+                measured.append(figures)
             efficiencies = [m["efficiency"] for m in measured]
             interval = median_interval(efficiencies, level)
             rows.append(Row(group, arm, efficiencies, statistics.median(efficiencies), interval,

@@ -81,6 +81,13 @@ def test_a_report_without_an_arm_of_the_first_is_refused_by_name():
         combine(runs, threshold=0.95)
 
 
+def test_a_report_without_the_arms_interval_is_refused_by_name():
+    runs = five_runs({"sd": [0.95] * 5})
+    del runs["run4.json"]["batches"][0]["arms"][1]["clocks"]["cpu"]["efficiency_interval"]
+    with pytest.raises(ValueError, match=r"run4\.json: arm 'sd' at batch 32 has no efficiency and interval"):
+        combine(runs, threshold=0.95)
+
+
 def test_the_command_line_prints_the_table_and_exits_non_zero_on_a_bad_file(tmp_path, capsys):
     paths = []
     for name, rep in five_runs({"sd": [0.96, 0.97, 0.98, 0.96, 0.99]}).items():
