@@ -65,11 +65,11 @@ def verdict(interval: tuple[float, float], threshold: float) -> str:
     return "under" if interval[1] < threshold else "undecided"
 
 
-def groups(report: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
+def groups(report: dict[str, Any], name: str) -> dict[str, list[dict[str, Any]]]:
     """A report's arms by group: ``batches`` (discrete, continuous) or ``configs`` (diffusion, with its steps)."""
     entries = report.get("batches", report.get("configs"))
     if entries is None:
-        raise ValueError("has neither 'batches' nor 'configs': not a family bench's --json report")
+        raise ValueError(f"{name}: has neither 'batches' nor 'configs': not a family bench's --json report")
     return {(f"K={e['num_steps']}, " if "num_steps" in e else "") + f"batch {e['batch']}": e["arms"] for e in entries}
 
 
@@ -84,12 +84,7 @@ def combine(reports: dict[str, dict[str, Any]], threshold: float,
             if report.get(field) != first.get(field):
                 raise ValueError(f"{name}: {field!r} is {report.get(field)!r}, but {first.get(field)!r} in "
                                  f"{first_name}: combine runs of one bench on one machine")
-    by_report = {}
-    for name, report in reports.items():
-        try:
-            by_report[name] = groups(report)
-        except ValueError as e:
-            raise ValueError(f"{name}: {e}") from None
+    by_report = {name: groups(report, name) for name, report in reports.items()}
     clock = first["clock"]
     rows = []
     for group, arms in by_report[first_name].items():
