@@ -17,14 +17,22 @@ header gives the interval's coverage.
 
     for k in 1 2 3 4 5; do python bench/diffusion.py --batches 1 --reps 9 --no-replay --json runs/d$k.json; done
     python bench/across_runs.py runs/d*.json [--threshold 0.95] [--json across.json]
+
+or, the runs made by this script one after the other (``--runs``, default 5), each report and output kept in
+``--out``:
+
+    python bench/across_runs.py --run "python bench/diffusion.py --batches 1 --reps 9 --no-replay" --out runs/d1
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import statistics
+import subprocess
 import sys
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -127,12 +135,62 @@ def header(first: dict[str, Any], runs: int, coverage: float, threshold: float) 
             f"(distribution-free), threshold {threshold}{short}")
 
 
+def make_runs(command: list[str], runs: int, out: Path) -> list[Path]:
+    """Run ``command`` (a family bench's words) ``runs`` times, one after the other, each its own process, its report in
+    ``out/run<k>.json`` and its output in ``out/run<k>.log``; a run that fails stops the others, named with its log."""
+    out.mkdir(parents=True, exist_ok=True)
+    reports = []
+    for k in range(1, runs + 1):
+        report, log = out / f"run{k}.json", out / f"run{k}.log"
+        print(f"# run {k}/{runs} from {time.strftime('%H:%M:%S')}: {shlex.join(command)} --json {report}", file=sys.stderr,
+              flush=True)
+        start = time.monotonic()
+        with log.open("w") as log_file:
+            exit_code = subprocess.run([*command, "--json", str(report)], stdout=log_file,
+                                       stderr=subprocess.STDOUT).returncode
+        if exit_code != 0 or not report.is_file():
+            tail = "".join(log.read_text(errors="replace").splitlines(keepends=True)[-5:])
+            raise RuntimeError(f"run {k} of {runs} exited with {exit_code}"
+                               f"{'' if report.is_file() else ' and wrote no report'}; its output is in {log}, "
+                               f"ending:\n{tail}")
+        print(f"# run {k}/{runs} took {time.monotonic() - start:.0f} s", file=sys.stderr, flush=True)
+        reports.append(report)
+    return reports
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("reports", type=Path, nargs="+", help="--json reports of one family bench, one per run")
+    ap.add_argument("reports", type=Path, nargs="*", help="--json reports of one family bench, one per run")
+    ap.add_argument("--run", default=None, metavar="COMMAND",
+                    help="make the runs here instead: a family bench's command line, without --json")
+    ap.add_argument("--runs", type=int, default=None, help="how many runs --run makes (default 5: their range, 94 %%)")
+    ap.add_argument("--out", type=Path, default=None,
+                    help="with --run: an empty or new folder for the runs' reports and output")
     ap.add_argument("--threshold", type=float, default=0.95, help="the efficiency an arm must reach (default 0.95)")
     ap.add_argument("--json", type=Path, default=None, help="write the rows as JSON here")
     args = ap.parse_args(argv)
+    if args.run is not None:
+        if args.reports:
+            ap.error("give either reports or --run, not both")
+        if args.out is None:
+            ap.error("--run needs --out, the folder that keeps each run's report and output")
+        if args.out.exists() and (not args.out.is_dir() or any(args.out.iterdir())):
+            ap.error(f"--out {args.out}: not an empty folder; give a new one, so no earlier run's report is counted")
+        try:
+            words = shlex.split(args.run)
+        except ValueError as e:
+            ap.error(f"--run: cannot split {args.run!r} into words: {e}")
+        if not words or any(w == "--json" or w.startswith("--json=") for w in words):
+            ap.error("--run: give a family bench's command line, without --json; each run's report goes to --out")
+        args.runs = 5 if args.runs is None else args.runs
+        if args.runs < 2:
+            ap.error(f"--runs {args.runs}: make at least 2 runs: one run has no spread across runs")
+        try:
+            args.reports = make_runs(words, args.runs, args.out)
+        except (OSError, RuntimeError) as e:
+            ap.exit(1, f"{ap.prog}: error: {e}\n")
+    elif args.out is not None or args.runs is not None:
+        ap.error("--out and --runs go with --run")
     twice = [path for path in dict.fromkeys(args.reports) if args.reports.count(path) > 1]
     if twice:
         ap.error(f"{twice[0]}: given more than once; each run's report counts once")

@@ -112,3 +112,69 @@ def test_one_run_or_a_file_given_twice_is_refused(tmp_path, capsys, twice):
         main([str(path)] * (2 if twice else 1))
     assert exit_info.value.code == 2
     assert ("run0.json: given more than once" if twice else "at least two runs") in capsys.readouterr().err
+
+
+# A family bench's stand-in for --run: it writes the report of run k (counted by the reports already in its folder),
+# with its process id, and exits with FAIL_EXIT on run FAIL_RUN.
+STAND_IN = """
+import json, os, sys
+from pathlib import Path
+report = Path(sys.argv[sys.argv.index("--json") + 1])
+k = len(list(report.parent.glob("run*.json")))
+print("bench output of run", k + 1)
+if k + 1 == int(os.environ.get("FAIL_RUN", "0")):
+    sys.exit(int(os.environ["FAIL_EXIT"]))
+effs = [float(e) for e in sys.argv[1].split(",")]
+arms = [{"name": "target_only", "clocks": {"cpu": {"efficiency": 1.0, "efficiency_interval": [1.0, 1.0]}}},
+        {"name": "sd", "clocks": {"cpu": {"efficiency": effs[k], "efficiency_interval": [effs[k] - 0.01, effs[k]]}}}]
+report.write_text(json.dumps({"target": "t", "draft": "d", "gamma": 4, "device": "cpu", "machine": "m", "threads": 1,
+                              "torch": "2", "clock": "cpu", "pid": os.getpid(), "batches": [{"batch": 1, "arms": arms}]}))
+"""
+
+
+def test_run_makes_each_run_in_its_own_process_and_combines_their_reports(tmp_path, capsys):
+    (tmp_path / "bench.py").write_text(STAND_IN)
+    out = tmp_path / "runs"
+    main(["--run", f"{sys.executable} {tmp_path / 'bench.py'} 0.97,0.99,0.96,0.98,1.00", "--out", str(out)])
+    printed = capsys.readouterr()
+    reports = [json.loads((out / f"run{k}.json").read_text()) for k in range(1, 6)]
+    assert len({r["pid"] for r in reports}) == 5  # five processes
+    effs = [r["batches"][0]["arms"][1]["clocks"]["cpu"]["efficiency"] for r in reports]
+    assert effs == [0.97, 0.99, 0.96, 0.98, 1.0]
+    assert (out / "run3.log").read_text() == "bench output of run 3\n"
+    assert "0.970  0.990  0.960  0.980  1.000  0.980 0.960-1.000" in printed.out and " met " in printed.out
+    assert "# run 5/5 took" in printed.err
+
+
+def test_a_failing_run_stops_the_others_and_names_its_output(tmp_path, capsys, monkeypatch):
+    (tmp_path / "bench.py").write_text(STAND_IN)
+    monkeypatch.setenv("FAIL_RUN", "2")
+    monkeypatch.setenv("FAIL_EXIT", "3")
+    out = tmp_path / "runs"
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--run", f"{sys.executable} {tmp_path / 'bench.py'} 0.97,0.99,0.96", "--runs", "3", "--out", str(out)])
+    assert exit_info.value.code == 1
+    err = capsys.readouterr().err
+    assert f"run 2 of 3 exited with 3 and wrote no report; its output is in {out / 'run2.log'}" in err
+    assert "bench output of run 2" in err
+    assert not (out / "run3.log").exists()
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--run", "python bench/diffusion.py --json x.json", "--out", "{tmp}/new"], "without --json"),
+    (["--run", "python bench/diffusion.py --json=x.json", "--out", "{tmp}/new"], "without --json"),
+    (["--run", "python bench/diffusion.py", "--out", "{tmp}/full"], "not an empty folder"),
+    (["--run", "python bench/diffusion.py"], "--run needs --out"),
+    (["--run", "python bench/diffusion.py", "--runs", "1", "--out", "{tmp}/new"], "--runs 1: make at least 2"),
+    (["--run", "python 'bench", "--out", "{tmp}/new"], "cannot split"),
+    (["{tmp}/full/run1.json", "{tmp}/full/run1.json", "--out", "{tmp}/new"], "--out and --runs go with --run"),
+    (["{tmp}/full/run1.json", "--run", "python bench/diffusion.py", "--out", "{tmp}/new"], "either reports or --run"),
+])
+def test_run_refuses_what_would_mix_or_lose_reports(tmp_path, capsys, args, message):
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "run1.json").write_text("{}")
+    with pytest.raises(SystemExit) as exit_info:
+        main([a.format(tmp=tmp_path) for a in args])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "new").exists()
