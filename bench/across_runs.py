@@ -13,7 +13,8 @@ This script reads the ``--json`` reports of one family bench (``bench/discrete.p
 median over the runs (:func:`~bench.pricing.median_interval`: of five runs their lowest and highest, 94 %), the
 verdict against ``--threshold`` (met where the interval's lowest point reaches it, under where its highest point
 does not, else undecided), and the widest of the runs' own intervals. Fewer than five runs cannot reach 90 %: the
-header gives the interval's coverage.
+header gives the interval's coverage. Above the arms, ``(base ovh)`` gives each run's ``target_only`` time over its
+calls' prices: an arm's efficiency is about that over its own ``ovh``, so the base's price moves every arm of a run.
 
     for k in 1 2 3 4 5; do python bench/diffusion.py --batches 1 --reps 9 --no-replay --json runs/d$k.json; done
     python bench/across_runs.py runs/d*.json [--threshold 0.95] [--json across.json]
@@ -116,11 +117,28 @@ def combine(reports: dict[str, dict[str, Any]], threshold: float,
     return rows
 
 
-def table(rows: list[Row], runs: int, coverage: float) -> str:
+def base_overheads(reports: dict[str, dict[str, Any]]) -> dict[str, list[float | None]]:
+    """Per group, each run's ``target_only`` overhead (its time over its calls' prices; None where a report lacks it).
+    An arm's efficiency is about the base's overhead over its own, so a run whose base calls cost what their prices
+    say (a low base overhead) reads every arm low."""
+    clock = next(iter(reports.values()))["clock"]
+    by_group: dict[str, list[float | None]] = {}
+    for name, report in reports.items():
+        for group, arms in groups(report, name).items():
+            base = [a for a in arms if a["name"] == BASE_ARM]
+            by_group.setdefault(group, []).append(base[0].get("clocks", {}).get(clock, {}).get("overhead")
+                                                  if base else None)
+    return by_group
+
+
+def table(rows: list[Row], runs: int, coverage: float, base: dict[str, list[float | None]] | None = None) -> str:
     lines = []
     for group in dict.fromkeys(r.group for r in rows):
         lines += [f"\n## {group}", f"{'arm':<18} " + " ".join(f"{f'run {k + 1}':>6}" for k in range(runs)) +
                   f" {'median':>6} {f'runs {coverage:.0%}':>11} {f'verdict {coverage:.0%}':>11} {'runs own 90%':>12}"]
+        if base and any(v is not None for v in base.get(group, [])):
+            shown = ["-" if v is None else f"{v:.3f}" for v in base[group]]
+            lines.append(f"{'(base ovh)':<18} " + " ".join(f"{v:>6}" for v in shown))
         lines += [f"{r.arm:<18} " + " ".join(f"{e:>6.3f}" for e in r.efficiencies) + f" {r.median:>6.3f} "
                   f"{interval_text(r.interval, 3):>11} {r.verdict:>11} {interval_text(r.within, 3):>12}"
                   for r in rows if r.group == group]
@@ -142,8 +160,8 @@ def make_runs(command: list[str], runs: int, out: Path) -> list[Path]:
     reports = []
     for k in range(1, runs + 1):
         report, log = out / f"run{k}.json", out / f"run{k}.log"
-        print(f"# run {k}/{runs} from {time.strftime('%H:%M:%S')}: {shlex.join(command)} --json {report}", file=sys.stderr,
-              flush=True)
+        print(f"# run {k}/{runs} from {time.strftime('%H:%M:%S')}: {shlex.join(command)} --json {report}",
+              file=sys.stderr, flush=True)
         start = time.monotonic()
         with log.open("w") as log_file:
             exit_code = subprocess.run([*command, "--json", str(report)], stdout=log_file,
@@ -208,10 +226,15 @@ def main(argv: list[str] | None = None) -> None:
         ap.error(str(e))
     runs, coverage = len(reports), interval_coverage(len(reports))
     print(header(next(iter(reports.values())), runs, coverage, args.threshold))
-    print(table(rows, runs, coverage))
+    base = base_overheads(reports)
+    print(table(rows, runs, coverage, base))
+    if any(v is not None for values in base.values() for v in values):
+        print(f"\n# base ovh: {BASE_ARM}'s time over its calls' prices, per run; an arm's efficiency is about the "
+              "base's ovh over its own, so a run whose base ovh is low reads every arm low")
     if args.json is not None:
         args.json.write_text(json.dumps({"runs": [str(p) for p in args.reports], "coverage": coverage,
-                                         "threshold": args.threshold, "rows": [asdict(r) for r in rows]}, indent=2))
+                                         "threshold": args.threshold, "rows": [asdict(r) for r in rows],
+                                         "base_overheads": base}, indent=2))
         print(f"\n# wrote {args.json}")
 
 

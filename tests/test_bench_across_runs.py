@@ -10,7 +10,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.across_runs import combine, interval_coverage, main  # noqa: E402
+from bench.across_runs import base_overheads, combine, interval_coverage, main  # noqa: E402
 
 
 def arm(name: str, efficiency: float, own: tuple[float, float]) -> dict:
@@ -104,6 +104,20 @@ def test_the_command_line_prints_the_table_and_exits_non_zero_on_a_bad_file(tmp_
     assert "bad.json: cannot read a JSON report" in capsys.readouterr().err
 
 
+def test_the_base_arms_overhead_is_shown_per_run_where_the_reports_have_it(tmp_path, capsys):
+    runs = five_runs({"sd": [0.74, 0.83, 0.83, 0.84, 0.88]})
+    for k, (name, rep) in enumerate(runs.items()):
+        if k != 2:  # run 3's report lacks it
+            rep["batches"][0]["arms"][0]["clocks"]["cpu"]["overhead"] = [1.05, 1.19, None, 1.24, 1.34][k]
+        (tmp_path / name).write_text(json.dumps(rep))
+    assert base_overheads(runs) == {"batch 32": [1.05, 1.19, None, 1.24, 1.34]}
+    main([str(tmp_path / name) for name in runs] + ["--json", str(tmp_path / "across.json")])
+    out = capsys.readouterr().out
+    (line,) = [line for line in out.splitlines() if line.startswith("(base ovh)")]
+    assert line.split()[2:] == ["1.050", "1.190", "-", "1.240", "1.340"] and "# base ovh: target_only's time" in out
+    assert json.loads((tmp_path / "across.json").read_text())["base_overheads"]["batch 32"][4] == 1.34
+
+
 @pytest.mark.parametrize("twice", [False, True])
 def test_one_run_or_a_file_given_twice_is_refused(tmp_path, capsys, twice):
     path = tmp_path / "run0.json"
@@ -127,8 +141,9 @@ if k + 1 == int(os.environ.get("FAIL_RUN", "0")):
 effs = [float(e) for e in sys.argv[1].split(",")]
 arms = [{"name": "target_only", "clocks": {"cpu": {"efficiency": 1.0, "efficiency_interval": [1.0, 1.0]}}},
         {"name": "sd", "clocks": {"cpu": {"efficiency": effs[k], "efficiency_interval": [effs[k] - 0.01, effs[k]]}}}]
-report.write_text(json.dumps({"target": "t", "draft": "d", "gamma": 4, "device": "cpu", "machine": "m", "threads": 1,
-                              "torch": "2", "clock": "cpu", "pid": os.getpid(), "batches": [{"batch": 1, "arms": arms}]}))
+report.write_text(json.dumps({"target": "t", "draft": "d", "gamma": 4, "device": "cpu", "machine": "m",
+                              "threads": 1, "torch": "2", "clock": "cpu", "pid": os.getpid(),
+                              "batches": [{"batch": 1, "arms": arms}]}))
 """
 
 
