@@ -14,7 +14,8 @@ median over the runs (:func:`~bench.pricing.median_interval`: of five runs their
 verdict against ``--threshold`` (met where the interval's lowest point reaches it, under where its highest point
 does not, else undecided), and the widest of the runs' own intervals. Fewer than five runs cannot reach 90 %: the
 header gives the interval's coverage. Above the arms, ``(base ovh)`` gives each run's ``target_only`` time over its
-calls' prices: an arm's efficiency is about that over its own ``ovh``, so the base's price moves every arm of a run.
+calls' prices: an arm's efficiency is about that over its own ``ovh``, so the base's ``ovh`` moves every arm of a
+run alike.
 
     for k in 1 2 3 4 5; do python bench/diffusion.py --batches 1 --reps 9 --no-replay --json runs/d$k.json; done
     python bench/across_runs.py runs/d*.json [--threshold 0.95] [--json across.json]
