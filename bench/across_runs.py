@@ -15,7 +15,8 @@ verdict against ``--threshold`` (met where the interval's lowest point reaches i
 does not, else undecided), and the widest of the runs' own intervals. Fewer than five runs cannot reach 90 %: the
 header gives the interval's coverage. Above the arms, ``(base ovh)`` gives each run's ``target_only`` time over its
 calls' prices: an arm's efficiency is about that over its own ``ovh``, so the base's ``ovh`` moves every arm of a
-run alike.
+run alike. ``(arms median)`` gives each run's median over its arms, and the footnote the two rows' rank correlation
+across the runs (Spearman's; near 1: the base moved the runs).
 
     for k in 1 2 3 4 5; do python bench/diffusion.py --batches 1 --reps 9 --no-replay --json runs/d$k.json; done
     python bench/across_runs.py runs/d*.json [--threshold 0.95] [--json across.json]
@@ -132,7 +133,32 @@ def base_overheads(reports: dict[str, dict[str, Any]]) -> dict[str, list[float |
     return by_group
 
 
-def table(rows: list[Row], runs: int, coverage: float, base: dict[str, list[float | None]] | None = None) -> str:
+def run_medians(rows: list[Row]) -> dict[str, list[float]]:
+    """Per group, each run's median efficiency over its speculative arms: what moves a whole run."""
+    by_group: dict[str, list[list[float]]] = {}
+    for r in rows:
+        by_group.setdefault(r.group, []).append(r.efficiencies)
+    return {group: [statistics.median(run) for run in zip(*arms)] for group, arms in by_group.items()}
+
+
+def base_tracking(base: dict[str, list[float | None]], medians: dict[str, list[float]]) -> dict[str, float | None]:
+    """Per group, Spearman's rank correlation of the runs' base ``ovh`` with their median efficiency (near 1: the
+    base moved the runs); None where fewer than three runs have a base ``ovh`` or either side is constant."""
+    tracking: dict[str, float | None] = {}
+    for group, values in medians.items():
+        pairs = [(b, m) for b, m in zip(base.get(group, []), values) if b is not None]
+        rho = None
+        if len(pairs) >= 3 and len({b for b, _ in pairs}) > 1 and len({m for _, m in pairs}) > 1:
+            rho = float(scipy.stats.spearmanr(*zip(*pairs)).statistic)
+        tracking[group] = rho
+    return tracking
+
+
+def table(rows: list[Row], runs: int, coverage: float, base: dict[str, list[float | None]] | None = None,
+          medians: dict[str, list[float]] | None = None) -> str:
+    """The rows by group; above each group's arms, where ``base`` has a value, its ``(base ovh)`` and ``(arms median)``
+    (``medians``, :func:`run_medians` of the rows where not given)."""
+    medians = run_medians(rows) if medians is None else medians
     lines = []
     for group in dict.fromkeys(r.group for r in rows):
         lines += [f"\n## {group}", f"{'arm':<18} " + " ".join(f"{f'run {k + 1}':>6}" for k in range(runs)) +
@@ -140,6 +166,7 @@ def table(rows: list[Row], runs: int, coverage: float, base: dict[str, list[floa
         if base and any(v is not None for v in base.get(group, [])):
             shown = ["-" if v is None else f"{v:.3f}" for v in base[group]]
             lines.append(f"{'(base ovh)':<18} " + " ".join(f"{v:>6}" for v in shown))
+            lines.append(f"{'(arms median)':<18} " + " ".join(f"{v:>6.3f}" for v in medians[group]))
         lines += [f"{r.arm:<18} " + " ".join(f"{e:>6.3f}" for e in r.efficiencies) + f" {r.median:>6.3f} "
                   f"{interval_text(r.interval, 3):>11} {r.verdict:>11} {interval_text(r.within, 3):>12}"
                   for r in rows if r.group == group]
@@ -227,15 +254,19 @@ def main(argv: list[str] | None = None) -> None:
         ap.error(str(e))
     runs, coverage = len(reports), interval_coverage(len(reports))
     print(header(next(iter(reports.values())), runs, coverage, args.threshold))
-    base = base_overheads(reports)
-    print(table(rows, runs, coverage, base))
+    base, medians = base_overheads(reports), run_medians(rows)
+    print(table(rows, runs, coverage, base, medians))
+    tracking = base_tracking(base, medians)
     if any(v is not None for values in base.values() for v in values):
         print(f"\n# base ovh: {BASE_ARM}'s time over its calls' prices, per run; an arm's efficiency is about the "
-              "base's ovh over its own, so a run whose base ovh is low reads every arm low")
+              "base's ovh over its own, so a run whose base ovh is low reads every arm low; arms median: the run's "
+              "median efficiency over its arms; their rank correlation (Spearman) across the runs: " +
+              ", ".join(f"{group} {'-' if rho is None else f'{rho:.2f}'}" for group, rho in tracking.items()))
     if args.json is not None:
         args.json.write_text(json.dumps({"runs": [str(p) for p in args.reports], "coverage": coverage,
                                          "threshold": args.threshold, "rows": [asdict(r) for r in rows],
-                                         "base_overheads": base}, indent=2))
+                                         "base_overheads": base, "run_medians": medians,
+                                         "base_rank_correlation": tracking}, indent=2))
         print(f"\n# wrote {args.json}")
 
 

@@ -10,7 +10,14 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.across_runs import base_overheads, combine, interval_coverage, main  # noqa: E402
+from bench.across_runs import (  # noqa: E402
+    base_overheads,
+    base_tracking,
+    combine,
+    interval_coverage,
+    main,
+    run_medians,
+)
 
 
 def arm(name: str, efficiency: float, own: tuple[float, float]) -> dict:
@@ -116,6 +123,33 @@ def test_the_base_arms_overhead_is_shown_per_run_where_the_reports_have_it(tmp_p
     (line,) = [line for line in out.splitlines() if line.startswith("(base ovh)")]
     assert line.split()[2:] == ["1.050", "1.190", "-", "1.240", "1.340"] and "# base ovh: target_only's time" in out
     assert json.loads((tmp_path / "across.json").read_text())["base_overheads"]["batch 32"][4] == 1.34
+
+
+def test_each_runs_median_over_its_arms_and_its_rank_correlation_with_the_base(tmp_path, capsys):
+    # Run medians over the three arms, sd's: 0.80, 0.86, 0.84, 0.90, 0.88 (ranks 1 3 2 5 4; "slow" pulls the means
+    # 0.1 lower). Base ovh ranked 1 2 3 5 4: one swap of neighbouring ranks, so Spearman's rho over five runs is
+    # 1 - 6 * 2 / (5 * 24) = 0.9.
+    effs = {"sd": [0.80, 0.86, 0.84, 0.90, 0.88], "block": [0.82, 0.88, 0.86, 0.92, 0.90],
+            "slow": [0.52, 0.58, 0.56, 0.62, 0.60]}
+    runs = five_runs(effs)
+    for k, rep in enumerate(runs.values()):
+        rep["batches"][0]["arms"][0]["clocks"]["cpu"]["overhead"] = [1.05, 1.18, 1.20, 1.30, 1.25][k]
+    assert base_tracking(base_overheads(runs), run_medians(combine(runs, 0.95))) == {"batch 32": pytest.approx(0.9)}
+    for name, rep in runs.items():
+        (tmp_path / name).write_text(json.dumps(rep))
+    main([str(tmp_path / name) for name in runs] + ["--json", str(tmp_path / "across.json")])
+    out = capsys.readouterr().out
+    (line,) = [line for line in out.splitlines() if line.startswith("(arms median)")]
+    assert line.split()[2:] == ["0.800", "0.860", "0.840", "0.900", "0.880"]
+    assert "rank correlation (Spearman) across the runs: batch 32 0.90" in out
+    written = json.loads((tmp_path / "across.json").read_text())
+    assert written["run_medians"]["batch 32"] == pytest.approx([0.80, 0.86, 0.84, 0.90, 0.88])
+    assert written["base_rank_correlation"]["batch 32"] == pytest.approx(0.9)
+    # Fewer than three runs with a base ovh, or a constant side, give no correlation rather than a made-up one.
+    assert base_tracking({"batch 32": [1.1, None, None, None, 1.2]},
+                         {"batch 32": [0.8, 0.9, 0.7, 0.6, 0.5]}) == {"batch 32": None}
+    assert base_tracking({"batch 32": [1.1, 1.3, 1.2, 1.0, 1.4]}, {"batch 32": [0.8] * 5}) == {"batch 32": None}
+    assert base_tracking({"batch 32": [1.1] * 5}, {"batch 32": [0.8, 0.9, 0.7, 0.6, 0.5]}) == {"batch 32": None}
 
 
 @pytest.mark.parametrize("twice", [False, True])
