@@ -154,16 +154,15 @@ def base_tracking(base: dict[str, list[float | None]], medians: dict[str, list[f
     return tracking
 
 
-def table(rows: list[Row], runs: int, coverage: float, base: dict[str, list[float | None]] | None = None,
-          medians: dict[str, list[float]] | None = None) -> str:
+def table(rows: list[Row], runs: int, coverage: float, base: dict[str, list[float | None]],
+          medians: dict[str, list[float]]) -> str:
     """The rows by group; above each group's arms, where ``base`` has a value, its ``(base ovh)`` and ``(arms median)``
-    (``medians``, :func:`run_medians` of the rows where not given)."""
-    medians = run_medians(rows) if medians is None else medians
+    (:func:`base_overheads`, :func:`run_medians`)."""
     lines = []
     for group in dict.fromkeys(r.group for r in rows):
         lines += [f"\n## {group}", f"{'arm':<18} " + " ".join(f"{f'run {k + 1}':>6}" for k in range(runs)) +
                   f" {'median':>6} {f'runs {coverage:.0%}':>11} {f'verdict {coverage:.0%}':>11} {'runs own 90%':>12}"]
-        if base and any(v is not None for v in base.get(group, [])):
+        if any(v is not None for v in base.get(group, [])):
             shown = ["-" if v is None else f"{v:.3f}" for v in base[group]]
             lines.append(f"{'(base ovh)':<18} " + " ".join(f"{v:>6}" for v in shown))
             lines.append(f"{'(arms median)':<18} " + " ".join(f"{v:>6.3f}" for v in medians[group]))
