@@ -38,7 +38,7 @@ import torch
 from specray import rng
 from specray.families import Method, resolve
 from specray.methods.common import GenerationResult, RoundTally, SampleStats, bind_conditions
-from specray.methods.diffusion import cpu_draft
+from specray.methods.diffusion import cpu_draft, cpu_draws
 from specray.methods.diffusion.params import Common, Speculative
 from specray.methods.diffusion.residual import DELTA_MIN, KERNEL_CONSTANTS, reflect, sample_residual
 from specray.methods.diffusion.rules import Verdict, block_verify, log_ratio, token_verify
@@ -273,11 +273,10 @@ def _round(chain: GaussianChain, rnd: _Round, y0: torch.Tensor, stale: torch.Ten
     drafter), steps, and tau (host)."""
     n, G, shape = y0.shape[0], rnd.G, tuple(y0.shape[1:])
     coef = rnd.coef.reshape(3, n, G, *([1] * len(shape)))
-    # draft, accept[, residual, residual_noise]: one hash, one normal and one uniform call for them all
-    draws = rng.extend_hash(keys.hashes[:, rnd.label_rows, None], rnd.index, rnd.steps)  # [streams, n, G]
+    # draft, accept[, residual, residual_noise]: their keys [streams, n, G], normals and uniforms, all at once
     noise_with_round = keys.residual and n * G * math.prod(shape) <= RESIDUAL_NOISE_WITH_ROUND
-    normals = rng.normal_at(draws[0::3] if noise_with_round else draws[:1], shape, dtype=torch.float64)
-    uniforms = 1.0 - rng.uniform_at(draws[1:3])  # in (0, 1]
+    draws, normals, uniforms = cpu_draws.round_draws(keys.hashes, rnd.label_rows, rnd.index, rnd.steps, shape,
+                                                     noise_with_round)
     xi, eta = normals[0], uniforms[0]
     residual_draws = (_ResidualDraws(uniforms[1], draws[3], normals[1] if noise_with_round else None)
                       if keys.residual else None)

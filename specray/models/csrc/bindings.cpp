@@ -33,6 +33,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("tree_commit", &tree_commit, "a static tree round's commit: tokens, the path's K/V and hidden states");
   m.def("splitmix", &splitmix, "SplitMix64's finaliser of int64 keys with the bits of specray.rng");
   m.def("draft_affine", &draft_affine, "a diffusion round's drafted states with a fixed eps, torch's values");
+  m.def("round_draws", &round_draws, "a diffusion round's keys, normals and uniforms with the values of torch's "
+        "operations");
   m.def("psi_draws", &psi_draws, "the residual sampler's 1-D draws with the bits of its one-row Newton solve");
   m.def("residual_states", &residual_states, "a diffusion round's resampled states with the values of torch's operations");
   m.def("reflected_states", &reflected_states, "a diffusion round's reflected states with the values of torch's operations");

@@ -209,6 +209,15 @@ bool draft_affine(at::Tensor& Y, const at::Tensor& y0, const at::Tensor& coef, c
 // specray/rng.py's _mix (splitmix.cpp); an undefined tensor where the call is not one it serves.
 at::Tensor splitmix(const at::Tensor& keys);
 
+// A speculative diffusion round's draws (round_draws.cpp), with the values of specray/methods/diffusion/cpu_draws.py's
+// torch operations: from the streams' hashes [streams, batch] (draft, accept[, residual, residual_noise]; int64) of
+// the round's batch rows rows [n], its index and every slot's step steps [n, G], the keys [streams, n, G], the
+// normals [1 or 2, n, G, *shape] (float64; streams draft[, residual_noise]) and 1 - the uniforms [1 or 2, n, G]
+// (streams accept[, residual]). Undefined tensors where the call is not one it serves.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> round_draws(const at::Tensor& hashes, const at::Tensor& rows,
+                                                           int64_t index, const at::Tensor& steps,
+                                                           const std::vector<int64_t>& shape, bool residual_noise);
+
 // Draws s ~ psi_alpha(.; delta) of the residual sampler, one per element of the float64 vectors delta, log_alpha
 // and u (delta nonzero), with the bits of specray/methods/diffusion/residual.py's one-row Newton solve; constants
 // (log 1/2, sqrt 1/2, log(2 pi) / 2, the tail bound 30) as residual.py has them (residual_draw.cpp). An undefined
