@@ -5,9 +5,10 @@ in one call, with the work around them (:class:`~specray.models.discrete_ar.Fuse
 rounds' decisions and draws of :mod:`~specray.methods.discrete.cpu_rounds`, the static-tree rounds' decisions,
 children draws (:mod:`~specray.methods.discrete.cpu_tree_rounds`) and K/V moves, the discrete rounds' bookkeeping
 (positions, masks, uniforms and commits: ``cpu_rounds.bookkeeping``), the diffusion rounds' draws
-(:mod:`~specray.methods.diffusion.cpu_draws`), drafted states (:mod:`~specray.methods.diffusion.cpu_draft`),
-verdicts (:mod:`~specray.methods.diffusion.rules`) and residual draws (:mod:`~specray.methods.diffusion.residual`,
-these two where a process has loaded it already), and the hash of :mod:`specray.rng` likewise, one extension.
+(:mod:`~specray.methods.diffusion.cpu_draws`), log ratios (:mod:`~specray.methods.diffusion.cpu_ratios`), drafted
+states (:mod:`~specray.methods.diffusion.cpu_draft`), verdicts (:mod:`~specray.methods.diffusion.rules`) and residual
+draws (:mod:`~specray.methods.diffusion.residual`, these two where a process has loaded it already), and the hash of
+:mod:`specray.rng` likewise, one extension.
 
 It is built on first use with torch's C++ extension tools (g++ and ninja; about 45 s on 2 cores, then cached
 under ``~/.cache/torch_extensions``, one folder per Python environment). Where it cannot be built (no AVX2, no compiler), or with
@@ -35,7 +36,8 @@ CSRC = Path(__file__).with_name("csrc")
 SOURCES = tuple(CSRC / name for name in ("bindings.cpp", "decode_attention.cpp", "cache_write.cpp", "rms_norm.cpp",
                                          "rounds.cpp", "tree_rounds.cpp", "chain_bookkeeping.cpp",
                                          "tree_bookkeeping.cpp", "gaussian_draft.cpp", "splitmix.cpp",
-                                         "residual_draw.cpp", "verdicts.cpp", "cached_layers.cpp", "round_draws.cpp"))
+                                         "residual_draw.cpp", "verdicts.cpp", "cached_layers.cpp", "round_draws.cpp",
+                                         "round_ratios.cpp"))
 # -ffp-contract=off: only the fused multiply-adds the attention kernel writes out may fuse (its sums must
 # follow the BLAS's order); the AVX2 defines select ATen's 8-lane vector code, whose exp it reproduces.
 CFLAGS = ["-O2", "-mavx2", "-mfma", "-ffp-contract=off", "-DCPU_CAPABILITY_AVX2", "-DCPU_CAPABILITY=AVX2"]

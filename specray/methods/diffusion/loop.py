@@ -38,7 +38,7 @@ import torch
 from specray import rng
 from specray.families import Method, resolve
 from specray.methods.common import GenerationResult, RoundTally, SampleStats, bind_conditions
-from specray.methods.diffusion import cpu_draft, cpu_draws
+from specray.methods.diffusion import cpu_draft, cpu_draws, cpu_ratios
 from specray.methods.diffusion.params import Common, Speculative
 from specray.methods.diffusion.residual import DELTA_MIN, KERNEL_CONSTANTS, reflect, sample_residual
 from specray.methods.diffusion.rules import Verdict, block_verify, log_ratio, token_verify
@@ -287,16 +287,16 @@ def _round(chain: GaussianChain, rnd: _Round, y0: torch.Tensor, stale: torch.Ten
     Y, eps_draft64 = _draft(chain, rnd, coef, y0, E[:, 0] if rnd.frozen else stale, xi, drafter)
     _verify_states(chain, rnd, Y, E)
 
-    if chain.clipped_mean is None:
-        Delta = coef[1] * (eps_draft64 - E.to(torch.float64)) / coef[2]
+    if chain.clipped_mean is None:  # Delta = B (eps_draft - eps) / sigma and the log ratios: one kernel call on a CPU
+        Delta, log_rho, delta = cpu_ratios.affine_ratios(coef, eps_draft64, E, xi, rnd.valid if rnd.ragged else None)
     else:  # not affine in eps: the difference of the two means (spec_diffusion 1.2)
         flat_k, drafted = rnd.steps.flatten(), Y[:, :G].flatten(0, 1)
         eps_flat = eps_draft64.expand((n, G) + shape).flatten(0, 1)
         gap = _mean(chain, drafted, eps_flat, flat_k) - _mean(chain, drafted, E.flatten(0, 1), flat_k)
         Delta = gap.reshape((n, G) + gap.shape[1:]) / coef[2]
-    if rnd.ragged:
-        Delta = torch.where(_bcast(rnd.valid, Delta), Delta, torch.zeros_like(Delta))
-    log_rho, delta = log_ratio(Delta, xi)
+        if rnd.ragged:
+            Delta = torch.where(_bcast(rnd.valid, Delta), Delta, torch.zeros_like(Delta))
+        log_rho, delta = log_ratio(Delta, xi)
     verdict = (token_verify if verification == "token" else block_verify)(log_rho, delta, rnd.g, eta)
     tau = verdict.tau
     tau_host = tau.cpu().numpy()  # the round's one wait for the device: the commit needs it

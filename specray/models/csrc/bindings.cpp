@@ -35,6 +35,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("draft_affine", &draft_affine, "a diffusion round's drafted states with a fixed eps, torch's values");
   m.def("round_draws", &round_draws, "a diffusion round's keys, normals and uniforms with the values of torch's "
         "operations");
+  m.def("round_ratios", &round_ratios, "a diffusion round's Delta and log ratios with the values of torch's "
+        "operations");
   m.def("psi_draws", &psi_draws, "the residual sampler's 1-D draws with the bits of its one-row Newton solve");
   m.def("residual_states", &residual_states, "a diffusion round's resampled states with the values of torch's operations");
   m.def("reflected_states", &reflected_states, "a diffusion round's reflected states with the values of torch's operations");

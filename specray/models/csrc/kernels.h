@@ -218,6 +218,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> round_draws(const at::Tensor& has
                                                            int64_t index, const at::Tensor& steps,
                                                            const std::vector<int64_t>& shape, bool residual_noise);
 
+// A full round's log density ratios for an affine chain (round_ratios.cpp), with the values of
+// specray/methods/diffusion/cpu_ratios.py's torch operations: from coef [3, n, G, 1...] (A, B, sigma; float64), the
+// draft eps eps_draft [n, 1 or G, ...] (float64), the target eps eps_target [n, G, ...] (float32 or float64) and the
+// draft noise xi [n, G, ...] (float64): Delta [n, G, ...], log rho and delta [n, G] (float64).
+// Undefined tensors where the call is not one it serves.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> round_ratios(const at::Tensor& coef, const at::Tensor& eps_draft,
+                                                            const at::Tensor& eps_target, const at::Tensor& xi);
+
 // Draws s ~ psi_alpha(.; delta) of the residual sampler, one per element of the float64 vectors delta, log_alpha
 // and u (delta nonzero), with the bits of specray/methods/diffusion/residual.py's one-row Newton solve; constants
 // (log 1/2, sqrt 1/2, log(2 pi) / 2, the tail bound 30) as residual.py has them (residual_draw.cpp). An undefined
