@@ -9,7 +9,7 @@ import torch
 
 from specray.methods.diffusion import cpu_draft, loop
 from specray.models import cpu_kernels
-from tests.test_diffusion_chain import make_chain, start_states
+from tests.diffusion_kernel_runs import assert_same_with_and_without
 
 
 @pytest.fixture(scope="module")
@@ -139,30 +139,8 @@ def test_large_rounds_go_to_torch(kernel, monkeypatch: pytest.MonkeyPatch) -> No
 @pytest.mark.parametrize("drafter, verification", [("frozen", "block"), ("free", "block"), ("free", "token")])
 def test_chains_are_the_same_with_and_without_the_kernel(kernel, monkeypatch: pytest.MonkeyPatch, drafter: str,
                                                          verification: str) -> None:
-    """The linear-Gaussian chain (float64 states, 300 rows, seed 2) and the digits DDPM (float32, 3 samples, K 30):
-    the same states and statistics with the kernel and with torch's operations."""
-    from specray.models.diffusion import load_pair
-
-    pair = load_pair("digits-ddpm", None, "cpu")
-    x0, ids = start_states(300)
-    params = {"num_steps": 30, "drafter": drafter, "gamma": 5}
-    method = f"spec_{verification}"
-    runs, served = [], []
-    original = cpu_draft._kernel
-
-    def spied(y0: torch.Tensor):
-        found = original(y0)
-        return None if found is None else lambda *args: served.append(found(*args)) or served[-1]
-
-    monkeypatch.setattr(cpu_draft, "_kernel", spied)
-    for enabled in (True, False):
-        monkeypatch.setattr(cpu_draft, "ENABLED", enabled)
-        x, stats = loop.speculative_chain(make_chain(), x0, ids, seed=2, drafter=drafter, verification=verification,
-                                          rejection="residual", gamma=5)
-        with torch.inference_mode():
-            result = loop.run_batch(method, params, pair, torch.tensor([1, 4, 9]), torch.tensor([0, 5, 11]), 3)
-        runs.append((x, stats.rounds, stats.accepted, result.images, [vars(s) for s in result.stats]))
-    (x, rounds, accepted, images, sample_stats), (x_t, rounds_t, accepted_t, images_t, sample_stats_t) = runs
-    assert torch.equal(x, x_t) and torch.equal(rounds, rounds_t) and torch.equal(accepted, accepted_t)
-    assert torch.equal(images, images_t) and sample_stats == sample_stats_t
-    assert len(served) > 10 and all(served)  # every round of the kernel's run was drafted by it
+    """The linear-Gaussian chain and the digits DDPM (``assert_same_with_and_without``, ψ_α's residual): the same
+    states and statistics with the kernel and with torch's operations, every round of the kernel's run drafted by
+    it."""
+    served = assert_same_with_and_without(cpu_draft, monkeypatch, drafter, verification, "residual")
+    assert len(served) > 10 and all(served)

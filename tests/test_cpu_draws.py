@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from specray import rng
-from specray.methods.diffusion import cpu_draws, loop
+from specray.methods.diffusion import cpu_draws
 from specray.models import cpu_kernels
-from tests.test_diffusion_chain import make_chain, start_states
+from tests.diffusion_kernel_runs import assert_same_with_and_without
 
 STREAMS = ("draft", "accept", "residual", "residual_noise")
 
@@ -121,31 +121,7 @@ def test_large_rounds_go_to_torch(kernel, monkeypatch: pytest.MonkeyPatch) -> No
                                                               ("model", "token", "reflection")])
 def test_chains_are_the_same_with_and_without_the_kernel(kernel, monkeypatch: pytest.MonkeyPatch, drafter: str,
                                                          verification: str, rejection: str) -> None:
-    """The linear-Gaussian chain (float64 states, 300 rows, seed 2) and the digits DDPM (float32, 3 samples, K 30):
-    the same states and statistics with the kernel and with torch's operations, the kernel drawing every round."""
-    from specray.models.diffusion import load_pair
-
-    pair = load_pair("digits-ddpm", "digits-ddpm-draft", "cpu")
-    x0, ids = start_states(300)
-    params = {"num_steps": 30, "drafter": drafter, "gamma": 5, "rejection": rejection}
-    runs, served = [], []
-    original = cpu_draws._kernel
-
-    def spied(hashes: torch.Tensor):
-        found = original(hashes)
-        return None if found is None else lambda *args: served.append(found(*args)) or served[-1]
-
-    monkeypatch.setattr(cpu_draws, "_kernel", spied)
-    for enabled in (True, False):
-        monkeypatch.setattr(cpu_draws, "ENABLED", enabled)
-        x, stats = loop.speculative_chain(make_chain(), x0, ids, seed=2, drafter=drafter, verification=verification,
-                                          rejection=rejection, gamma=5)
-        with torch.inference_mode():
-            result = loop.run_batch(f"spec_{verification}", params, pair, torch.tensor([1, 4, 9]),
-                                    torch.tensor([0, 5, 11]), 3)
-        runs.append((x, stats.rounds, stats.accepted, result.images, [vars(s) for s in result.stats]))
-        if enabled:
-            assert len(served) > 10 and all(draws[0] is not None for draws in served)
-    (x, rounds, accepted, images, sample_stats), (x_t, rounds_t, accepted_t, images_t, sample_stats_t) = runs
-    assert torch.equal(x, x_t) and torch.equal(rounds, rounds_t) and torch.equal(accepted, accepted_t)
-    assert torch.equal(images, images_t) and sample_stats == sample_stats_t
+    """The linear-Gaussian chain and the digits DDPM (``assert_same_with_and_without``): the same states and
+    statistics with the kernel and with torch's operations, the kernel drawing every round."""
+    served = assert_same_with_and_without(cpu_draws, monkeypatch, drafter, verification, rejection)
+    assert len(served) > 10 and all(out[0] is not None for out in served)
