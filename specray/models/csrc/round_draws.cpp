@@ -6,6 +6,7 @@
 // and log, sqrt and cos are torch's own operations on tensors of the Python path's shapes, so the values are torch's
 // by construction; cpu_draws.py still compares the kernel with the Python path before using it.
 #include "kernels.h"
+#include "splitmix.h"
 
 #include <ATen/ops/cos.h>
 #include <ATen/ops/log.h>
@@ -17,15 +18,10 @@
 
 namespace {
 
-constexpr uint64_t kGolden = 0x9E3779B97F4A7C15ULL;
-constexpr double kTwoPi = 2.0 * 3.141592653589793;  // Python's 2.0 * math.pi, an exact doubling
+using splitmix64::kGolden;
+using splitmix64::mix;
 
-inline uint64_t mix(uint64_t z) {  // specray/rng.py's _mix, as splitmix.cpp has it
-  z += kGolden;
-  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
-  z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
-  return z ^ (z >> 31);
-}
+constexpr double kTwoPi = 2.0 * 3.141592653589793;  // Python's 2.0 * math.pi, an exact doubling
 
 // rng.py's _to_uniform: the top 53 bits (exact as a double) times 2^-53 (exact).
 inline double to_uniform(uint64_t bits) {
