@@ -24,15 +24,7 @@ def kernel():
 
 
 def _inputs(n: int, G: int, shape: tuple[int, ...], dtype: torch.dtype, per_slot: bool, seed: int):
-    generator = torch.Generator().manual_seed(seed)
-    coef = torch.stack([torch.rand(n, G, generator=generator, dtype=torch.float64) + 0.5,
-                        torch.randn(n, G, generator=generator, dtype=torch.float64),
-                        torch.rand(n, G, generator=generator, dtype=torch.float64) + 0.01])
-    coef = coef.reshape((3, n, G) + (1,) * len(shape))
-    eps_target = torch.randn((n, G) + shape, generator=generator, dtype=torch.float64).to(dtype)
-    eps_draft = torch.randn((n, G if per_slot else 1) + shape, generator=generator, dtype=torch.float64)
-    xi = torch.randn((n, G) + shape, generator=generator, dtype=torch.float64)
-    return coef, eps_draft, eps_target, xi
+    return cpu_ratios.random_round(n, G, shape, dtype, per_slot, torch.Generator().manual_seed(seed))
 
 
 def _same(got: tuple, want: tuple) -> bool:

@@ -66,18 +66,27 @@ def _kernel_matches(kernel: Callable, _size: int) -> bool:
     for dtype in (torch.float32, torch.float64):
         for n, G, shape, per_slot in ((1, 7, (1, 8, 8), False), (4, 1, (3, 5), False), (4, 7, (2,), True),
                                       (1, 7, (1, 8, 8), True)):
-            coef = torch.stack([torch.rand(n, G, generator=generator, dtype=torch.float64) + 0.5,
-                                torch.randn(n, G, generator=generator, dtype=torch.float64),
-                                torch.rand(n, G, generator=generator, dtype=torch.float64) + 0.01])
-            coef = coef.reshape((3, n, G) + (1,) * len(shape))
-            eps_target = torch.randn((n, G) + shape, generator=generator, dtype=torch.float64).to(dtype)
-            eps_draft = torch.randn((n, G if per_slot else 1) + shape, generator=generator, dtype=torch.float64)
+            coef, eps_draft, eps_target, xi = random_round(n, G, shape, dtype, per_slot, generator)
             eps_draft[0, 0] = eps_target[0, 0].double()  # identical kernels at a slot
             eps_draft.view(-1)[-1] = 1e200  # a gap whose square overflows
-            xi = torch.randn((n, G) + shape, generator=generator, dtype=torch.float64)
             xi.view(-1)[-2] = float("nan")
             got, want = kernel(coef, eps_draft, eps_target, xi), affine_ratios_torch(coef, eps_draft, eps_target, xi)
             if any(g is None or g.shape != w.shape or not cpu_kernels.same_values(g, w)
                    for g, w in zip(got, want, strict=True)):
                 return False
     return True
+
+
+def random_round(n: int, G: int, shape: tuple[int, ...], dtype: torch.dtype, per_slot: bool,
+                 generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`affine_ratios`' inputs ``(coef, eps_draft, eps_target, xi)`` for a random full round of ``n`` rows and
+    ``G`` slots (A in [0.5, 1.5), B normal, sigma in [0.01, 1.01); one draft eps per slot or per row), the check's
+    and the tests'."""
+    coef = torch.stack([torch.rand(n, G, generator=generator, dtype=torch.float64) + 0.5,
+                        torch.randn(n, G, generator=generator, dtype=torch.float64),
+                        torch.rand(n, G, generator=generator, dtype=torch.float64) + 0.01])
+    coef = coef.reshape((3, n, G) + (1,) * len(shape))
+    eps_target = torch.randn((n, G) + shape, generator=generator, dtype=torch.float64).to(dtype)
+    eps_draft = torch.randn((n, G if per_slot else 1) + shape, generator=generator, dtype=torch.float64)
+    xi = torch.randn((n, G) + shape, generator=generator, dtype=torch.float64)
+    return coef, eps_draft, eps_target, xi
