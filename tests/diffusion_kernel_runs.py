@@ -12,6 +12,18 @@ from specray.methods.diffusion import loop
 from tests.test_diffusion_chain import make_chain, start_states
 
 
+def spy_on_kernel(module: ModuleType, monkeypatch: pytest.MonkeyPatch) -> list:
+    """What each call of ``module``'s kernel (``module._kernel``) gave, in a list that grows as the kernel serves."""
+    served, original = [], module._kernel
+
+    def spied(like: torch.Tensor):
+        found = original(like)
+        return None if found is None else lambda *args: served.append(found(*args)) or served[-1]
+
+    monkeypatch.setattr(module, "_kernel", spied)
+    return served
+
+
 def assert_same_with_and_without(module: ModuleType, monkeypatch: pytest.MonkeyPatch, drafter: str,
                                  verification: str, rejection: str) -> list[tuple]:
     """The linear-Gaussian chain (float64 states, 300 rows, seed 2) and the digits DDPM with its draft model
@@ -22,14 +34,7 @@ def assert_same_with_and_without(module: ModuleType, monkeypatch: pytest.MonkeyP
     pair = load_pair("digits-ddpm", "digits-ddpm-draft", "cpu")
     x0, ids = start_states(300)
     params = {"num_steps": 30, "drafter": drafter, "gamma": 5, "rejection": rejection}
-    runs, served = [], []
-    original = module._kernel
-
-    def spied(like: torch.Tensor):
-        found = original(like)
-        return None if found is None else lambda *args: served.append(found(*args)) or served[-1]
-
-    monkeypatch.setattr(module, "_kernel", spied)
+    runs, served = [], spy_on_kernel(module, monkeypatch)
     for enabled in (True, False):
         monkeypatch.setattr(module, "ENABLED", enabled)
         x, stats = loop.speculative_chain(make_chain(), x0, ids, seed=2, drafter=drafter, verification=verification,

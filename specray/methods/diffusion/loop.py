@@ -52,6 +52,8 @@ RESIDUAL_ALPHAS = ("w_tau", "one")  # "one" is the wrong rule, kept only as a ne
 # A round draws psi_alpha's noise for all its slots with its other draws while that is at most this many
 # elements (small states: the draw calls cost more than the elements); past it, for its cut rows alone.
 RESIDUAL_NOISE_WITH_ROUND = 1 << 16
+# Plain ancestral sampling draws its noise for as many steps at once as keep a block at most this many elements.
+ANCESTRAL_BLOCK_ELEMENTS = 1 << 18
 
 EpsFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -111,12 +113,30 @@ def _step(chain: GaussianChain, x: torch.Tensor, eps: torch.Tensor, k: torch.Ten
 
 
 def ancestral_chain(chain: GaussianChain, x: torch.Tensor, sample_ids: torch.Tensor, seed: int) -> torch.Tensor:
-    """Plain ancestral sampling: K_s sequential target calls, noise from stream ``eps``."""
-    rows = torch.arange(x.shape[0], device=x.device)
-    for k in range(chain.num_steps):
-        kk = torch.full_like(rows, k)
-        xi = rng.normal(seed, sample_ids, "eps", 0, k, shape=x.shape[1:], device=x.device, dtype=torch.float64)
-        x = _step(chain, x, chain.target_eps(x, kk, rows), kk, xi)
+    """Plain ancestral sampling: K_s sequential target calls, noise from stream ``eps``.
+
+    The noise and the steps' coefficients are drawn for a block of steps at once (draws are elementwise in their
+    keys, so the values are a step's own), and an affine step is :func:`cpu_draft.affine_states` with one slot
+    (``_step``'s operations in its order): the base every speculative arm is measured against pays for its calls
+    and no more loop work than it needs."""
+    n, shape, device = x.shape[0], tuple(x.shape[1:]), x.device
+    rows = torch.arange(n, device=device)
+    h = rng.stream_hash(seed, sample_ids, "eps")
+    tables = torch.stack([chain.A, chain.B, chain.sigma]).to(device)  # [3, K_s]
+    block = max(1, ANCESTRAL_BLOCK_ELEMENTS // max(1, n * math.prod(shape)))
+    for start in range(0, chain.num_steps, block):
+        ks = torch.arange(start, min(start + block, chain.num_steps), device=device)
+        xis = rng.normal_at(rng.extend_hash(h, 0, ks[:, None]), shape, dtype=torch.float64)  # [steps, n, ...]
+        kks = ks[:, None].expand(-1, n).contiguous()  # [steps, n]: each step's k for every row
+        # (A, B, sigma) of each step for every row, [steps, 3, n, 1, 1...] as affine_states takes them
+        coefs = tables[:, ks].T[:, :, None].expand(-1, -1, n).reshape(ks.numel(), 3, n, 1, *([1] * len(shape)))
+        coefs = coefs.contiguous()
+        for j in range(ks.numel()):
+            eps, xi = chain.target_eps(x, kks[j], rows), xis[j]
+            if chain.clipped_mean is None:
+                x = cpu_draft.affine_states(x, coefs[j], eps.to(torch.float64), xi[:, None])[:, 1]
+            else:
+                x = _step(chain, x, eps, kks[j], xi)
     return x
 
 
