@@ -1,5 +1,6 @@
 """The states a speculative diffusion round drafts with a fixed eps (the Frozen and Free drafters on an affine
-chain): torch's operations, or on a CPU one call of specray's kernels with their values.
+chain), and plain ancestral sampling's steps as drafts of one slot: torch's operations, or on a CPU one call of
+specray's kernels with their values.
 
 A drafted step is ``y_{j+1} = A_j y_j + B_j eps + sigma_j xi_j`` in float64, rounded to the state's dtype. At
 batch 1 the γ = 7 steps are ~40 torch operations, about 60 µs of dispatch (a twentieth of a round's own work);
