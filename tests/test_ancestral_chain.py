@@ -65,15 +65,16 @@ def test_the_comparison_sees_the_keys() -> None:
 
 
 def test_target_only_images_are_the_per_step_images(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The digits DDPM (float32, 3 samples, K 30, seed 3): target_only's images with the block loop and with the
-    definition."""
+    """The digits DDPM (float32, 3 samples, K 30, seed 3, an affine chain): target_only's images with the block loop,
+    whose 29 stochastic steps the kernel makes (the 30th is the final step), and with the definition."""
     from specray.models.diffusion import load_pair
 
     pair = load_pair("digits-ddpm", None, "cpu")
     labels, ids, params = torch.tensor([1, 4, 9]), torch.tensor([0, 5, 11]), {"num_steps": 30}
+    served = spy_on_kernel(cpu_draft, monkeypatch)
     with torch.inference_mode():
         blocks = loop.run_batch("target_only", params, pair, labels, ids, 3)
         monkeypatch.setattr(loop, "ancestral_chain", per_step)
         steps = loop.run_batch("target_only", params, pair, labels, ids, 3)
-    assert torch.equal(blocks.images, steps.images)
+    assert served == [True] * 29 and torch.equal(blocks.images, steps.images)
     assert [vars(s) for s in blocks.stats] == [vars(s) for s in steps.stats]

@@ -115,10 +115,10 @@ def _step(chain: GaussianChain, x: torch.Tensor, eps: torch.Tensor, k: torch.Ten
 def ancestral_chain(chain: GaussianChain, x: torch.Tensor, sample_ids: torch.Tensor, seed: int) -> torch.Tensor:
     """Plain ancestral sampling: K_s sequential target calls, noise from stream ``eps``.
 
-    The noise and the steps' coefficients are drawn for a block of steps at once (draws are elementwise in their
-    keys, so the values are a step's own), and an affine step is :func:`cpu_draft.affine_states` with one slot
-    (``_step``'s operations in its order): the base every speculative arm is measured against pays for its calls
-    and no more loop work than it needs."""
+    The noise is drawn, and the steps' coefficients gathered, for a block of steps at once (draws are elementwise
+    in their keys, so the values are each step's own), and an affine step is :func:`cpu_draft.affine_states` with one
+    slot (``_step``'s operations in its order): the base every speculative arm is measured against pays for its
+    calls and no more loop work than it needs."""
     n, shape, device = x.shape[0], tuple(x.shape[1:]), x.device
     rows = torch.arange(n, device=device)
     h = rng.stream_hash(seed, sample_ids, "eps")
