@@ -15,9 +15,9 @@ every gap between two notes is named by them: ``R`` the round, ``T`` a target ca
 
 A call's own Python (the eps closure's lookups, the module's call) falls in the gaps: only ``forward`` is inside. Per
 arm and gap: how often a round it occurs, its median in µs, and its total per round in µs, the largest first; then the
-rounds a batch (a round takes every unfinished row of the batch). The
-digits presets (``digits-ddpm``, ``digits-ddpm-draft``), K = ``--steps``, gamma 7, one torch thread, the wall clock
-(``time.perf_counter_ns``: run it with nothing else running), ``--reps`` timed batches after ``--warm`` untimed ones.
+rounds a batch (a round takes every unfinished row of the batch). The digits presets (``digits-ddpm``,
+``digits-ddpm-draft``), K = ``--steps``, gamma 7, one torch thread, the wall clock (``time.perf_counter_ns``: run it
+with nothing else running), ``--reps`` timed batches after ``--warm`` untimed ones.
 
     python bench/round_segments.py [--arms "token frozen,block free,token model"] [--batch 1] [--steps 100]
                                    [--reps 8] [--warm 3]

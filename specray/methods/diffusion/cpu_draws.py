@@ -3,13 +3,13 @@ accept and, with the residual sampler, residual and residual_noise): torch's ope
 specray's kernels with their values.
 
 A round mixes its index and every slot's step into each stream's hash, then draws the draft noise by Box-Muller (with
-the residual sampler's noise where the round draws it) and one uniform per slot from the other streams. At batch 1
-that is some 30 torch operations, about 0.1 ms of dispatch a round (more in the loop, where each pays for the code
-before it); ``csrc/round_draws.cpp`` makes them in one call of about 10 µs. Its hash and integer steps are exact, its products and differences round once in the order of
-:func:`round_draws_torch`, and its log, sqrt and cos are torch's operations on the same shapes, so the values are the
-same by construction; the kernel still serves only after matching torch's operations bit for bit in the process
-(:func:`_kernel_matches`), and where the extension is off or not built (:mod:`~specray.models.cpu_kernels`) torch's
-operations run. ``ENABLED`` switches the kernel for an A/B comparison.
+the residual sampler's noise where the round draws it) and one uniform per slot from the other streams. At batch 1 that
+is some 30 torch operations, about 0.1 ms of dispatch a round (more in the loop, where each pays for the code before
+it); ``csrc/round_draws.cpp`` makes them in one call of about 10 µs. Its hash and integer steps are exact, its products
+and differences round once in the order of :func:`round_draws_torch`, and its log, sqrt and cos are torch's operations
+on the same shapes, so the values are the same by construction; the kernel still serves only after matching torch's
+operations bit for bit in the process (:func:`_kernel_matches`), and where the extension is off or not built
+(:mod:`~specray.models.cpu_kernels`) torch's operations run. ``ENABLED`` switches the kernel for an A/B comparison.
 """
 
 from __future__ import annotations

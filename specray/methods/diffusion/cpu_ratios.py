@@ -3,12 +3,12 @@ target means, ``Delta = B (eps_draft - eps_target) / sigma``, and :func:`~specra
 it with the draft noise. Torch's operations, or on a CPU for a round where every row drafts every slot one call of
 specray's kernels with their values.
 
-At batch 1 these are some 15 torch operations, about 30 µs of dispatch a round; ``csrc/round_ratios.cpp`` makes them
-in one call of about 9 µs. Its products, differences and quotients round once in the order of :func:`affine_ratios_torch`, and its
-two row sums and square root are torch's operations on the same shapes, so the values are the same by construction;
-the kernel still serves only after matching torch's operations bit for bit in the process (:func:`_kernel_matches`),
-and where the extension is off or not built (:mod:`~specray.models.cpu_kernels`) torch's operations run. ``ENABLED``
-switches the kernel for an A/B comparison.
+At batch 1 these are some 15 torch operations, about 30 µs of dispatch a round; ``csrc/round_ratios.cpp`` makes them in
+one call of about 9 µs. Its products, differences and quotients round once in the order of :func:`affine_ratios_torch`,
+and its two row sums and square root are torch's operations on the same shapes, so the values are the same by
+construction; the kernel still serves only after matching torch's operations bit for bit in the process
+(:func:`_kernel_matches`), and where the extension is off or not built (:mod:`~specray.models.cpu_kernels`) torch's
+operations run. ``ENABLED`` switches the kernel for an A/B comparison.
 """
 
 from __future__ import annotations

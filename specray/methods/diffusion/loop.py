@@ -122,18 +122,19 @@ def ancestral_chain(chain: GaussianChain, x: torch.Tensor, sample_ids: torch.Ten
     n, shape, device = x.shape[0], tuple(x.shape[1:]), x.device
     rows = torch.arange(n, device=device)
     h = rng.stream_hash(seed, sample_ids, "eps")
+    affine = chain.clipped_mean is None
     tables = torch.stack([chain.A, chain.B, chain.sigma]).to(device)  # [3, K_s]
     block = max(1, ANCESTRAL_BLOCK_ELEMENTS // max(1, n * math.prod(shape)))
     for start in range(0, chain.num_steps, block):
         ks = torch.arange(start, min(start + block, chain.num_steps), device=device)
         xis = rng.normal_at(rng.extend_hash(h, 0, ks[:, None]), shape, dtype=torch.float64)  # [steps, n, ...]
         kks = ks[:, None].expand(-1, n).contiguous()  # [steps, n]: each step's k for every row
-        # (A, B, sigma) of each step for every row, [steps, 3, n, 1, 1...] as affine_states takes them
-        coefs = tables[:, ks].T[:, :, None].expand(-1, -1, n).reshape(ks.numel(), 3, n, 1, *([1] * len(shape)))
-        coefs = coefs.contiguous()
+        if affine:  # (A, B, sigma) of each step for every row, [steps, 3, n, 1, 1...] as affine_states takes them
+            coefs = tables[:, ks].T[:, :, None].expand(-1, -1, n).reshape(ks.numel(), 3, n, 1, *([1] * len(shape)))
+            coefs = coefs.contiguous()
         for j in range(ks.numel()):
             eps, xi = chain.target_eps(x, kks[j], rows), xis[j]
-            if chain.clipped_mean is None:
+            if affine:
                 x = cpu_draft.affine_states(x, coefs[j], eps.to(torch.float64), xi[:, None])[:, 1]
             else:
                 x = _step(chain, x, eps, kks[j], xi)
