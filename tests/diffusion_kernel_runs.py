@@ -8,7 +8,7 @@ from types import ModuleType
 import pytest
 import torch
 
-from specray.methods.diffusion import loop
+from specray.methods.diffusion import cpu_commit, loop
 from tests.test_diffusion_chain import make_chain, start_states
 
 
@@ -28,13 +28,16 @@ def assert_same_with_and_without(module: ModuleType, monkeypatch: pytest.MonkeyP
                                  verification: str, rejection: str) -> list[tuple]:
     """The linear-Gaussian chain (float64 states, 300 rows, seed 2) and the digits DDPM with its draft model
     (float32, 3 samples, K 30) with ``module``'s kernel (``module._kernel``) and with torch's operations: the same
-    states, statistics and images. Returns what the kernel gave in its run, one entry per call."""
+    states, statistics and images. Returns what the kernel gave in its run, one entry per call. The commit kernel
+    (:mod:`cpu_commit`), which makes the ratios' call itself, is off unless it is ``module``."""
     from specray.models.diffusion import load_pair
 
     pair = load_pair("digits-ddpm", "digits-ddpm-draft", "cpu")
     x0, ids = start_states(300)
     params = {"num_steps": 30, "drafter": drafter, "gamma": 5, "rejection": rejection}
     runs, served = [], spy_on_kernel(module, monkeypatch)
+    if module is not cpu_commit:
+        monkeypatch.setattr(cpu_commit, "ENABLED", False)
     for enabled in (True, False):
         monkeypatch.setattr(module, "ENABLED", enabled)
         x, stats = loop.speculative_chain(make_chain(), x0, ids, seed=2, drafter=drafter, verification=verification,

@@ -144,3 +144,95 @@ def test_chains_are_the_same_with_and_without_the_kernel(kernel, monkeypatch: py
     it."""
     served = assert_same_with_and_without(cpu_draft, monkeypatch, drafter, verification, "residual")
     assert len(served) > 10 and all(served)
+
+
+@pytest.fixture(scope="module")
+def step_kernel():
+    if cpu_kernels.extension() is None:
+        pytest.skip("the CPU kernels did not build here (see the log)")
+    found = cpu_draft._step_kernel(torch.zeros(1))
+    assert found is not None, "the draft step kernel built but did not give torch's values (see the log)"
+    return found
+
+
+def _slot_major(n: int, G: int, shape: tuple[int, ...], dtype: torch.dtype, seed: int):
+    """A round's slot-major states with slot 0 set (the rest NaN), its coefficients, noise and per-slot model eps."""
+    y0, coef, _, xi = _inputs(n, G, shape, dtype, seed)
+    S = torch.full((G + 1, n) + shape, float("nan"), dtype=dtype)
+    S[0] = y0
+    eps = torch.randn((G, n) + shape, generator=torch.Generator().manual_seed(seed + 1), dtype=torch.float64)
+    return S, coef, eps.to(dtype), xi
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("n, G, shape", [(1, 7, (1, 8, 8)), (33, 3, (4,)), (5, 12, (3, 16, 16))])
+def test_model_steps_are_torchs_and_the_samplers_own(step_kernel, dtype: torch.dtype, n: int, G: int,
+                                                     shape: tuple[int, ...]) -> None:
+    """A model drafter's round step by step (seed 8, another grid than the check's): the kernel's states are
+    ``model_step_torch``'s bit for bit, and each is ``loop._step`` of the one before with that slot's eps."""
+    S, coef, eps, xi = _slot_major(n, G, shape, dtype, seed=8)
+    want = S.clone()
+    for j in range(G):
+        assert step_kernel(S, j, coef, eps[j], xi)
+        cpu_draft.model_step_torch(want, j, coef, eps[j], xi)
+    assert cpu_kernels.same_values(S, want)
+    chain = loop.GaussianChain(A=coef[0].flatten(), B=coef[1].flatten(), sigma=coef[2].flatten(), target_eps=None)
+    for j in range(G):
+        k = torch.arange(n) * G + j  # row i's slot j is entry i G + j of the flattened coefficients
+        assert cpu_kernels.same_values(S[j + 1], loop._step(chain, S[j], eps[j], k, xi[:, j]))
+
+
+def test_model_steps_the_kernel_does_not_serve_go_to_torch(step_kernel) -> None:
+    """float32 eps for float64 states, a strided eps, a slot past the round, coefficients of another row count:
+    the kernel writes nothing and says so; ``model_step`` gives torch's values for the first two."""
+    S, coef, eps, xi = _slot_major(3, 4, (2, 5), torch.float64, seed=2)
+    wide = torch.cat([eps[0], eps[0]], dim=-1)
+    cases = {"float32 eps": (0, coef, eps[0].float()), "strided eps": (0, coef, wide[..., ::2]),
+             "slot past the round": (4, coef, eps[0]), "coef of two rows": (0, coef[:, :2], eps[0])}
+    for name, (j, c, e) in cases.items():
+        before = S.clone()
+        assert not step_kernel(S, j, c, e, xi), name
+        assert cpu_kernels.same_values(S, before), name
+    for name in ("float32 eps", "strided eps"):
+        j, c, e = cases[name]
+        got, want = S.clone(), S.clone()
+        cpu_draft.model_step(got, j, c, e, xi)
+        cpu_draft.model_step_torch(want, j, c, e, xi)
+        assert not got[1].isnan().any() and cpu_kernels.same_values(got, want), name
+
+
+def test_model_step_kernels_that_round_or_order_otherwise_are_refused() -> None:
+    """Negative controls for the step's check: the sum in another order, the noise in float32, the eps rounded to
+    float32 first."""
+
+    def wrong(how):
+        def step(S, j, coef, eps, xi):
+            A, B, sigma = (c[:, j] for c in coef)
+            S[j + 1] = how(A, S[j].double(), B, eps.double(), sigma, xi[:, j]).to(S.dtype)
+            return True
+        return step
+
+    wrongs = {"other order": wrong(lambda A, y, B, e, s, x: A * y + (B * e + s * x)),
+              "float32 noise": wrong(lambda A, y, B, e, s, x: A * y + B * e + (s * x).float().double()),
+              "float32 eps": wrong(lambda A, y, B, e, s, x: A * y + B * e.float().double() + s * x)}
+    assert cpu_draft._step_kernel_matches(wrong(lambda A, y, B, e, s, x: A * y + B * e + s * x), 0)
+    for name, kernel_off in wrongs.items():
+        assert not cpu_draft._step_kernel_matches(kernel_off, 0), name
+
+
+@pytest.mark.parametrize("verification, rejection", [("token", "reflection"), ("block", "residual")])
+def test_model_chains_are_the_same_with_and_without_the_step_kernel(step_kernel, monkeypatch: pytest.MonkeyPatch,
+                                                                    verification: str, rejection: str) -> None:
+    """The linear-Gaussian chain and the digits DDPM with the model drafter (``assert_same_with_and_without``: the
+    module's switch turns the step's kernel off too; ``_step_kernel`` spied on): the same states, statistics and
+    images with the kernel stepping every round and with the loop's own torch steps."""
+    served = []
+    real = cpu_draft._step_kernel
+
+    def spied(S):
+        found = real(S)
+        return None if found is None else lambda *args: served.append(found(*args)) or served[-1]
+
+    monkeypatch.setattr(cpu_draft, "_step_kernel", spied)
+    assert_same_with_and_without(cpu_draft, monkeypatch, "model", verification, rejection)
+    assert len(served) > 50 and all(served)

@@ -199,6 +199,25 @@ def test_batched_equals_single_rows() -> None:
             assert sr.rounds[0] == sb.rounds[r] and sr.target_calls[0] == sb.target_calls[r]
 
 
+def test_round_slots_from_the_host_are_the_devices() -> None:
+    """A CPU round builds its block lengths, slot steps, drafted slots and coefficients from the host's copy of the
+    steps; a GPU round from the device's. Both give the same tensors, in a full round and a ragged one (K = 12,
+    gamma 5, random tables, seed 6), the coefficients contiguous as the kernels take them."""
+    import numpy as np
+
+    from specray.methods.diffusion.loop import ChainStats, _slots_from_host, _slots_on_device
+
+    tables = torch.rand(3, K, dtype=torch.float64, generator=torch.Generator().manual_seed(6))
+    for steps in ([0, 3, 5, 7], [2, 8, 11, 10]):
+        kk_host = np.array(steps)
+        g_host = np.minimum(5, K - kk_host)
+        host = _slots_from_host(kk_host, g_host, int(g_host.max()), tables)
+        device = _slots_on_device(torch.tensor(steps), int(g_host.max()), 5, tables, ChainStats(4, 5, K))
+        for a, b in zip(host, device, strict=True):
+            assert a.dtype == b.dtype and torch.equal(a, b)
+        assert host[3].is_contiguous()
+
+
 @pytest.mark.parametrize("verification", ["token", "block"])
 @pytest.mark.parametrize("noise_with_round", [True, False])
 def test_residual_draws_keyed_by_round_and_resampled_step(monkeypatch: pytest.MonkeyPatch, verification: str,
@@ -212,8 +231,12 @@ def test_residual_draws_keyed_by_round_and_resampled_step(monkeypatch: pytest.Mo
 
     monkeypatch.setattr(loop, "RESIDUAL_NOISE_WITH_ROUND", loop.RESIDUAL_NOISE_WITH_ROUND if noise_with_round else 0)
     # The draws are seen where sample_residual takes them: the C++ resampled states take the same ones, from the
-    # same _ResidualDraws.at call (tests/test_residual_draw_kernel.py compares the samples).
+    # same _ResidualDraws.at call (tests/test_residual_draw_kernel.py compares the samples), and the commit kernel
+    # the same draws at the same slots (tests/test_cpu_commit.py).
+    from specray.methods.diffusion import cpu_commit
+
     monkeypatch.setattr(loop, "_states_kernel", lambda chain, Y, name: None)
+    monkeypatch.setattr(cpu_commit, "ENABLED", False)
 
     seen: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = []
     original_resample, original_sample = loop._resample, loop.sample_residual

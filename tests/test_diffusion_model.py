@@ -107,9 +107,10 @@ def test_batch_composition_does_not_change_samples() -> None:
 def test_one_row_residual_draws_on_the_host_change_no_bit(method: str, drafter: str, monkeypatch) -> None:
     """At batch 1 the residual's Newton solve runs on the host (``ONE_ROW_ON_HOST``; on Python floats here, not the
     C++ draws and states of tests/test_residual_draw_kernel.py): the images and statistics are those of the solve on 1-element
-    tensors (2 samples, K = 30, seed 4)."""
-    from specray.methods.diffusion import residual
+    tensors (2 samples, K = 30, seed 4). The commit kernel, which draws in C++ too, is off."""
+    from specray.methods.diffusion import cpu_commit, residual
 
+    monkeypatch.setattr(cpu_commit, "ENABLED", False)
     monkeypatch.setattr(residual, "_draws_kernel", lambda delta: None)
     monkeypatch.setattr(diffusion_loop, "_states_kernel", lambda chain, Y, name: None)
     pair = random_pair()

@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from specray.methods.diffusion import loop, residual
+from specray.methods.diffusion import cpu_commit, loop, residual
 from specray.methods.diffusion.residual import sample_psi
 from specray.models import cpu_kernels
 from tests.test_diffusion_residual import random_draws
@@ -104,7 +104,9 @@ def test_a_kernel_that_differs_is_refused() -> None:
 @pytest.mark.parametrize("verification, batch", [("block", 1), ("block", 5), ("token", 3)])
 def test_diffusion_samples_are_the_same_with_and_without_the_kernel(kernel, monkeypatch, verification: str,
                                                                     batch: int) -> None:
-    """ψ_α's draws through the loop (the built-in pair, K = 30, seed 5): images and statistics unchanged."""
+    """ψ_α's draws through the loop (the built-in pair, K = 30, seed 5): images and statistics unchanged. The commit
+    kernel, which makes these calls itself, is off."""
+    monkeypatch.setattr(cpu_commit, "ENABLED", False)
     params = {"num_steps": 30, "drafter": "free", "gamma": 5, "rejection": "residual"}
     digest = lambda: sample_digest(f"spec_{verification}", params, batch, 11)  # noqa: E731
 
@@ -178,7 +180,8 @@ def test_a_resampled_states_kernel_that_differs_is_refused(states_kernel) -> Non
 def test_diffusion_samples_are_the_same_with_and_without_the_states_kernel(states_kernel, monkeypatch, method: str,
                                                                            batch: int) -> None:
     """ψ_α's resampled states through the loop (the built-in pair, K = 30, Free drafter, seed 5): images and
-    statistics unchanged."""
+    statistics unchanged. The commit kernel, which makes these calls itself, is off."""
+    monkeypatch.setattr(cpu_commit, "ENABLED", False)
     params = {"num_steps": 30, "drafter": "free", "gamma": 5, "rejection": "residual"}
     digest = lambda: sample_digest(method, params, batch, 21)  # noqa: E731
 
@@ -214,7 +217,9 @@ def test_reflected_states_are_the_python_paths(states_kernel, dtype: torch.dtype
 def test_diffusion_samples_are_the_same_with_and_without_the_reflection_kernel(states_kernel, monkeypatch,
                                                                                drafter: str, batch: int) -> None:
     """Token verification's reflected states through the loop (the built-in pair, K = 30, seed 5): images and
-    statistics unchanged, and the reflection off by one ulp refused by the check."""
+    statistics unchanged, and the reflection off by one ulp refused by the check. The commit kernel, which makes
+    these calls itself, is off."""
+    monkeypatch.setattr(cpu_commit, "ENABLED", False)
     kernel = states("reflected_states")
     digest = lambda: sample_digest("spec_token", {"num_steps": 30, "drafter": drafter, "gamma": 5}, batch, 31)  # noqa: E731
 

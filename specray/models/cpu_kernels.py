@@ -37,7 +37,7 @@ SOURCES = tuple(CSRC / name for name in ("bindings.cpp", "decode_attention.cpp",
                                          "rounds.cpp", "tree_rounds.cpp", "chain_bookkeeping.cpp",
                                          "tree_bookkeeping.cpp", "gaussian_draft.cpp", "splitmix.cpp",
                                          "residual_draw.cpp", "verdicts.cpp", "cached_layers.cpp", "round_draws.cpp",
-                                         "round_ratios.cpp"))
+                                         "round_ratios.cpp", "round_commit.cpp"))
 # -ffp-contract=off: only the fused multiply-adds the attention kernel writes out may fuse (its sums must
 # follow the BLAS's order); the AVX2 defines select ATen's 8-lane vector code, whose exp it reproduces.
 CFLAGS = ["-O2", "-mavx2", "-mfma", "-ffp-contract=off", "-DCPU_CAPABILITY_AVX2", "-DCPU_CAPABILITY=AVX2"]

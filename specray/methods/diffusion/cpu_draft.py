@@ -1,6 +1,7 @@
 """The states a speculative diffusion round drafts with a fixed eps (the Frozen and Free drafters on an affine
 chain), and plain ancestral sampling's steps as drafts of one slot: torch's operations, or on a CPU one call of
-specray's kernels with their values.
+specray's kernels with their values. With a draft model (:func:`model_step`) each slot's step is one call, between
+the model's calls: some 8 torch operations otherwise.
 
 A drafted step is ``y_{j+1} = A_j y_j + B_j eps + sigma_j xi_j`` in float64, rounded to the state's dtype. At
 batch 1 the γ = 7 steps are ~40 torch operations, about 60 µs of dispatch (a twentieth of a round's own work);
@@ -48,10 +49,37 @@ def affine_states_torch(y0: torch.Tensor, coef: torch.Tensor, eps: torch.Tensor,
     return torch.stack(ys, dim=1)
 
 
+def steps_in_kernel(y0: torch.Tensor, xi: torch.Tensor) -> bool:
+    """Whether :func:`model_step` steps a round from ``y0 [n, ...]`` with draft noise ``xi [n, G, ...]`` by the
+    kernel (torch's operations would cost more in slot-major states than the loop's own steps)."""
+    return xi.numel() <= KERNEL_MAX_ELEMENTS and _step_kernel(y0) is not None
+
+
+def model_step(S: torch.Tensor, j: int, coef: torch.Tensor, eps: torch.Tensor, xi: torch.Tensor) -> None:
+    """Slot ``j + 1`` of the slot-major drafted states ``S [G + 1, n, ...]`` from slot ``j``, where a draft model gave
+    slot j's eps ``eps [n, ...]`` (the state's dtype); ``coef`` and ``xi`` as :func:`affine_states` takes them. One
+    kernel call on a CPU where :func:`steps_in_kernel` holds."""
+    kernel = _step_kernel(S) if xi.numel() <= KERNEL_MAX_ELEMENTS else None
+    if kernel is None or not kernel(S, j, coef, eps.contiguous(), xi):
+        model_step_torch(S, j, coef, eps, xi)
+
+
+def model_step_torch(S: torch.Tensor, j: int, coef: torch.Tensor, eps: torch.Tensor, xi: torch.Tensor) -> None:
+    """:func:`model_step` by torch's operations, ``(A y + B eps) + sigma xi``."""
+    A, B, sigma = (c[:, j] for c in coef)
+    S[j + 1] = (A * S[j].to(torch.float64) + B * eps.to(torch.float64) + sigma * xi[:, j]).to(S.dtype)
+
+
 def _kernel(y0: torch.Tensor) -> Callable | None:
     if not ENABLED or not y0.is_cpu or torch.compiler.is_compiling():
         return None
     return cpu_kernels.checked("draft_affine", 0, _kernel_matches)
+
+
+def _step_kernel(S: torch.Tensor) -> Callable | None:
+    if not ENABLED or not S.is_cpu or torch.compiler.is_compiling():
+        return None
+    return cpu_kernels.checked("draft_step", 0, _step_kernel_matches)
 
 
 def _kernel_matches(kernel: Callable, _size: int) -> bool:
@@ -74,5 +102,34 @@ def _kernel_matches(kernel: Callable, _size: int) -> bool:
             Y = torch.empty((n, G + 1) + shape, dtype=dtype)
             want = affine_states_torch(y0, coef, eps, xi)
             if not kernel(Y, y0, coef, eps, xi) or not cpu_kernels.same_values(Y, want):
+                return False
+    return True
+
+
+def _step_kernel_matches(kernel: Callable, _size: int) -> bool:
+    """Whether ``kernel`` gives :func:`model_step_torch`'s values (NaN where it gives NaN) at every slot: float32 states
+    with float32 and float64 eps, float64 states, 1 and 4 rows, 1 and 7 slots, 15 and 64 elements, from seed 1, with
+    states past the dtype's range, subnormal drifts and NaN noise among them."""
+    generator = torch.Generator().manual_seed(1)
+    for dtype, eps_dtype in ((torch.float32, torch.float32), (torch.float32, torch.float64),
+                             (torch.float64, torch.float64)):
+        for n, G, shape in ((1, 7, (1, 8, 8)), (4, 1, (3, 5)), (4, 7, (3, 5))):
+            normal = lambda *size: torch.randn(size, generator=generator, dtype=torch.float64)  # noqa: E731
+            S = (normal(G + 1, n, *shape) * 3).to(dtype)
+            S[0].view(-1)[0] = 3e38 if dtype == torch.float32 else 1e308  # steps past the dtype's range
+            coef = torch.stack([torch.rand(n, G, generator=generator, dtype=torch.float64) + 0.5,
+                                torch.randn(n, G, generator=generator, dtype=torch.float64),
+                                torch.rand(n, G, generator=generator, dtype=torch.float64)])
+            coef[1, 0, 0] = 1e-310  # subnormal drifts B eps
+            coef = coef.reshape((3, n, G) + (1,) * len(shape))
+            xi = normal(n, G, *shape)
+            xi.view(-1)[-1] = float("nan")
+            got, want = S.clone(), S.clone()
+            for j in range(G):
+                eps = normal(n, *shape).to(eps_dtype)
+                model_step_torch(want, j, coef, eps, xi)
+                if not kernel(got, j, coef, eps, xi):
+                    return False
+            if not cpu_kernels.same_values(got, want):
                 return False
     return True

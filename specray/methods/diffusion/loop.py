@@ -30,7 +30,7 @@ import itertools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -38,7 +38,7 @@ import torch
 from specray import rng
 from specray.families import Method, resolve
 from specray.methods.common import GenerationResult, RoundTally, SampleStats, bind_conditions
-from specray.methods.diffusion import cpu_draft, cpu_draws, cpu_ratios
+from specray.methods.diffusion import cpu_commit, cpu_draft, cpu_draws, cpu_ratios
 from specray.methods.diffusion.params import Common, Speculative
 from specray.methods.diffusion.residual import DELTA_MIN, KERNEL_CONSTANTS, reflect, sample_residual
 from specray.methods.diffusion.rules import Verdict, block_verify, log_ratio, token_verify
@@ -194,7 +194,7 @@ def speculative_chain(
         if not np.array_equal(active, was_active):  # the round's batch rows, rebuilt only when rows finish
             act = None if active.size == batch else _on(device, active)
         frozen = drafter == "frozen" or (drafter == "free" and index == 0)  # every row is new in round 0
-        rnd = _new_round(index, act, all_rows, k, gamma, np.minimum(gamma, K - k_host[active]), frozen, tables, stats)
+        rnd = _new_round(index, act, all_rows, k, k_host[active], gamma, frozen, tables, stats)
         row_stale = stale if stale is None else _rows(stale, act)
         x_new, stale_new, k_new, tau_host = _round(chain, rnd, _rows(x, act), row_stale, keys, stats, drafter,
                                                    verification, residual_alpha)
@@ -271,17 +271,39 @@ class _Round:
     frozen: bool
 
 
-def _new_round(index: int, act: torch.Tensor | None, all_rows: torch.Tensor, k: torch.Tensor, gamma: int,
-               g_host: np.ndarray, frozen: bool, tables: torch.Tensor, stats: ChainStats) -> _Round:
+def _new_round(index: int, act: torch.Tensor | None, all_rows: torch.Tensor, k: torch.Tensor, kk_host: np.ndarray,
+               gamma: int, frozen: bool, tables: torch.Tensor, stats: ChainStats) -> _Round:
+    """Round ``index`` of the rows ``act`` at steps ``k[act]``, whose host copy is ``kk_host``."""
     K = tables.shape[1]
-    kk = _rows(k, act)
+    kk, g_host = _rows(k, act), np.minimum(gamma, K - kk_host)
     G = int(g_host.max())
+    if k.is_cpu:  # the host's copies are the tensors' values: numpy's few operations, not torch's dispatch
+        g, steps, valid, coef = _slots_from_host(kk_host, g_host, G, tables)
+    else:  # from the device's own steps: no copy to the device a round
+        g, steps, valid, coef = _slots_on_device(kk, G, gamma, tables, stats)
+    return _Round(index=index, act=act, label_rows=all_rows if act is None else act, row_index=all_rows[:g_host.size],
+                  kk=kk, g=g, g_host=g_host, G=G, ragged=int(g_host.min()) < G, steps=steps, valid=valid, coef=coef,
+                  frozen=frozen)
+
+
+def _slots_from_host(kk_host: np.ndarray, g_host: np.ndarray, G: int, tables: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """A CPU round's block lengths ``g [n]``, slot steps ``steps [n, G]``, drafted slots ``valid [n, G]`` and
+    coefficients ``coef [3, n, G]`` from the rows' steps and block lengths on the host."""
+    positions = np.arange(G)
+    steps = kk_host[:, None] + positions
+    coef = np.take(tables.numpy(), np.minimum(steps, tables.shape[1] - 1), axis=1)  # contiguous, as the kernels take it
+    return (torch.from_numpy(g_host), torch.from_numpy(steps), torch.from_numpy(positions < g_host[:, None]),
+            torch.from_numpy(coef))
+
+
+def _slots_on_device(kk: torch.Tensor, G: int, gamma: int, tables: torch.Tensor,
+                     stats: ChainStats) -> tuple[torch.Tensor, ...]:
+    """:func:`_slots_from_host`'s tensors from the rows' steps ``kk`` on their device."""
+    K = tables.shape[1]
     positions = stats.slots(G)[None, :]
     g = torch.clamp(K - kk, max=gamma)  # = g_host, on the device
     steps = kk[:, None] + positions
-    return _Round(index=index, act=act, label_rows=all_rows if act is None else act, row_index=all_rows[:g_host.size],
-                  kk=kk, g=g, g_host=g_host, G=G, ragged=int(g_host.min()) < G, steps=steps,
-                  valid=positions < g[:, None], coef=tables[:, steps.clamp(max=K - 1)], frozen=frozen)
+    return g, steps, positions < g[:, None], tables[:, steps.clamp(max=K - 1)]
 
 
 def _rows(t: torch.Tensor, act: torch.Tensor | None) -> torch.Tensor:
@@ -308,6 +330,57 @@ def _round(chain: GaussianChain, rnd: _Round, y0: torch.Tensor, stale: torch.Ten
     Y, eps_draft64 = _draft(chain, rnd, coef, y0, E[:, 0] if rnd.frozen else stale, xi, drafter)
     _verify_states(chain, rnd, Y, E)
 
+    done = _commit(chain, rnd, coef, Y, E, eps_draft64, xi, eta, residual_draws, stale is not None, verification,
+                   residual_alpha)
+
+    # block slot j is step kk + j; tau <= g, so the accepted slots lie within the drafted ones
+    stats.observe_prefix(rnd.act, rnd.steps, rnd.g, done.tau)
+    if not rnd.frozen:
+        target_calls = 1
+    else:  # the Frozen call, then verify where the block has more than one slot
+        target_calls = (rnd.g > 1).to(torch.int64) + 1 if rnd.ragged else 1 + (rnd.G > 1)
+    stats.add_calls(rnd.act, target=target_calls)
+    _add(stats.expected_advance, rnd.act, done.expected_advance)
+    return done.x, done.stale, done.k, done.tau_host
+
+
+class _Commit(NamedTuple):
+    """A round's outcome: the rows' new states, the Free drafter's eps (None for the others), the rows' next steps,
+    the accepted counts ``tau`` (on the device and the host) and the expected advance."""
+
+    x: torch.Tensor
+    stale: torch.Tensor | None
+    k: torch.Tensor
+    tau: torch.Tensor
+    tau_host: np.ndarray
+    expected_advance: torch.Tensor
+
+
+def _commit(chain: GaussianChain, rnd: _Round, coef: torch.Tensor, Y: torch.Tensor, E: torch.Tensor,
+            eps_draft64: torch.Tensor, xi: torch.Tensor, eta: torch.Tensor, residual_draws: _ResidualDraws | None,
+            with_stale: bool, verification: str, residual_alpha: str) -> _Commit:
+    """What follows the verify call: the log ratios, the verdict, the cut rows' new states, the Free drafter's eps
+    (``with_stale``) and the next steps. A full round of an affine chain is one kernel call on a CPU
+    (:func:`cpu_commit.round_commit`, the same values), any other round :func:`_commit_tensors`."""
+    if chain.clipped_mean is None and not rnd.ragged:
+        u, zeta = (None, None) if residual_draws is None else (residual_draws.u, residual_draws.zeta)
+        if residual_draws is None or zeta is not None:
+            done = cpu_commit.round_commit(coef, eps_draft64, E, xi, eta, Y, rnd.kk, rnd.g, block=verification ==
+                                           "block", u=u, zeta=zeta, alpha_one=residual_alpha == "one",
+                                           with_stale=with_stale)
+            if done is not None:
+                x, stale, k, tau, expected = done
+                return _Commit(x, stale, k, tau, tau.numpy(), expected)
+    return _commit_tensors(chain, rnd, coef, Y, E, eps_draft64, xi, eta, residual_draws, with_stale, verification,
+                           residual_alpha)
+
+
+def _commit_tensors(chain: GaussianChain, rnd: _Round, coef: torch.Tensor, Y: torch.Tensor, E: torch.Tensor,
+                    eps_draft64: torch.Tensor, xi: torch.Tensor, eta: torch.Tensor,
+                    residual_draws: _ResidualDraws | None, with_stale: bool, verification: str,
+                    residual_alpha: str) -> _Commit:
+    """:func:`_commit` by torch's operations and the round's smaller kernels."""
+    n, G, shape = Y.shape[0], rnd.G, tuple(Y.shape[2:])
     if chain.clipped_mean is None:  # Delta = B (eps_draft - eps) / sigma and the log ratios: one kernel call on a CPU
         Delta, log_rho, delta = cpu_ratios.affine_ratios(coef, eps_draft64, E, xi, rnd.valid if rnd.ragged else None)
     else:  # not affine in eps: the difference of the two means (spec_diffusion 1.2)
@@ -325,20 +398,14 @@ def _round(chain: GaussianChain, rnd: _Round, y0: torch.Tensor, stale: torch.Ten
     x_new = Y[rnd.row_index, rnd.g].clone() if rnd.ragged else Y[:, G].clone()
     cut = np.flatnonzero(tau_host < rnd.g_host)
     if cut.size:
-        cut_rows = _on(y0.device, cut)
+        cut_rows = _on(Y.device, cut)
         x_new[cut_rows] = _resample(chain, rnd, cut_rows, Y, E, Delta, xi, verdict, residual_draws,
-                                    residual_alpha).to(y0.dtype)
+                                    residual_alpha).to(Y.dtype)
     rejected = tau < rnd.g
-    if stale is not None:  # eps of the state preceding the new one (spec 2.3)
-        stale = E[rnd.row_index, torch.where(rejected, tau, rnd.g - 1)]
+    # eps of the state preceding the new one (spec 2.3)
+    stale = E[rnd.row_index, torch.where(rejected, tau, rnd.g - 1)] if with_stale else None
     k_new = rnd.kk + torch.where(rejected, tau + 1, rnd.g)
-
-    # block slot j is step kk + j; tau <= g, so the accepted slots lie within the drafted ones
-    stats.observe_prefix(rnd.act, rnd.steps, rnd.g, tau)
-    target_calls = (rnd.g > 1).to(torch.int64) + 1 if rnd.frozen else 1  # the Frozen call, then verify
-    stats.add_calls(rnd.act, target=target_calls)
-    _add(stats.expected_advance, rnd.act, verdict.expected_advance)
-    return x_new, stale, k_new, tau_host
+    return _Commit(x_new, stale, k_new, tau, tau_host, verdict.expected_advance)
 
 
 def _on(device: torch.device, index: np.ndarray) -> torch.Tensor:
@@ -366,13 +433,19 @@ def _draft(chain: GaussianChain, rnd: _Round, coef: torch.Tensor, y0: torch.Tens
         eps64 = fixed_eps.to(torch.float64)
         if affine:  # every step affine in the state with a fixed eps: one kernel call on a CPU
             return cpu_draft.affine_states(y0, coef, eps64, xi), eps64[:, None]
-    A, B, noise = coef[0].unbind(1), coef[1].unbind(1), (coef[2] * xi).unbind(1)
     if model:
         eps_draft = torch.zeros((y0.shape[0], rnd.G) + tuple(y0.shape[1:]), dtype=y0.dtype, device=y0.device)
+    if model and affine and cpu_draft.steps_in_kernel(y0, xi):  # a step a kernel call, between the model's calls
+        S = torch.empty((rnd.G + 1,) + tuple(y0.shape), dtype=y0.dtype)  # slot-major: each slot the model's input
+        S[0] = y0
+        for j in range(rnd.G):
+            cpu_draft.model_step(S, j, coef, _draft_call(chain, rnd, j, S[j], eps_draft), xi)
+        return S.transpose(0, 1).contiguous(), eps_draft.to(torch.float64)
+    A, B, noise = coef[0].unbind(1), coef[1].unbind(1), (coef[2] * xi).unbind(1)
     ys, y64 = [y0], y0.to(torch.float64)
     for j in range(rnd.G):
         if model:
-            eps64 = _draft_call(chain, rnd, j, ys[j], eps_draft)
+            eps64 = _draft_call(chain, rnd, j, ys[j], eps_draft).to(torch.float64)
         mean = A[j] * y64 + B[j] * eps64 if affine else _mean(chain, y64, eps64, rnd.steps[:, j])
         ys.append((mean + noise[j]).to(y0.dtype))
         y64 = ys[-1].to(torch.float64)
@@ -380,15 +453,16 @@ def _draft(chain: GaussianChain, rnd: _Round, coef: torch.Tensor, y0: torch.Tens
 
 
 def _draft_call(chain: GaussianChain, rnd: _Round, j: int, y: torch.Tensor, eps_draft: torch.Tensor) -> torch.Tensor:
-    """The draft model's eps at slot j on the rows that draft it (stored in ``eps_draft``), in float64."""
+    """The draft model's eps at slot j on the rows that draft it (stored in ``eps_draft``), for every row (zero on the
+    rows that do not)."""
     live = np.flatnonzero(rnd.g_host > j)
     if live.size == y.shape[0]:
         eps = chain.draft_eps(y, rnd.kk + j, rnd.label_rows)
         eps_draft[:, j] = eps
-        return eps.to(torch.float64)
+        return eps
     live_rows = _on(y.device, live)
     eps_draft[live_rows, j] = chain.draft_eps(y[live_rows], rnd.kk[live_rows] + j, rnd.label_rows[live_rows])
-    return eps_draft[:, j].to(torch.float64)
+    return eps_draft[:, j]
 
 
 def _verify_states(chain: GaussianChain, rnd: _Round, Y: torch.Tensor, E: torch.Tensor) -> None:

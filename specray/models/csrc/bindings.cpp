@@ -33,6 +33,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("tree_commit", &tree_commit, "a static tree round's commit: tokens, the path's K/V and hidden states");
   m.def("splitmix", &splitmix, "SplitMix64's finaliser of int64 keys with the bits of specray.rng");
   m.def("draft_affine", &draft_affine, "a diffusion round's drafted states with a fixed eps, torch's values");
+  m.def("draft_step", &draft_step, "a diffusion round's drafted state from a draft model's eps, torch's values");
   m.def("round_draws", &round_draws, "a diffusion round's keys, normals and uniforms with the values of torch's "
         "operations");
   m.def("round_ratios", &round_ratios, "a diffusion round's Delta and log ratios with the values of torch's "
@@ -42,4 +43,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("reflected_states", &reflected_states, "a diffusion round's reflected states with the values of torch's operations");
   m.def("token_verdict", &token_verdict, "a diffusion round's token verification with the values of torch's operations");
   m.def("block_verdict", &block_verdict, "a diffusion round's block verification with the values of torch's operations");
+  m.def("round_commit", &round_commit, "a diffusion round's ratios, verdict, new states and next steps in one call");
 }

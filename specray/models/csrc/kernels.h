@@ -205,6 +205,12 @@ bool draw_children(const at::Tensor& q, const at::Tensor& u, at::Tensor& node_to
 bool draft_affine(at::Tensor& Y, const at::Tensor& y0, const at::Tensor& coef, const at::Tensor& eps,
                   const at::Tensor& xi);
 
+// One step of a round whose eps comes from a draft model: slot j + 1 of the slot-major states S [G + 1, n, ...]
+// (float32 or float64) from slot j, the model's eps [n, ...] (the state's dtype or float64), coef [3, n, G] and
+// xi [n, G, ...] (float64), all contiguous, with the values of torch's operations (gaussian_draft.cpp); false, with
+// nothing written, where the call is not one it serves.
+bool draft_step(at::Tensor& S, int64_t j, const at::Tensor& coef, const at::Tensor& eps, const at::Tensor& xi);
+
 // SplitMix64's finaliser of every element of an int64 CPU tensor, a new contiguous tensor with the bits of
 // specray/rng.py's _mix (splitmix.cpp); an undefined tensor where the call is not one it serves.
 at::Tensor splitmix(const at::Tensor& keys);
@@ -258,3 +264,16 @@ at::Tensor residual_states(const at::Tensor& x, const at::Tensor& eps, const at:
 // (float64) the rejected draft's noise, with the values of loop.py's _mean (affine) and residual.py's reflect.
 at::Tensor reflected_states(const at::Tensor& x, const at::Tensor& eps, const at::Tensor& coef, const at::Tensor& Delta,
                             const at::Tensor& xi, double delta_min);
+
+// A full round's work after its verify call on an affine chain (round_commit.cpp): round_ratios, then token_verdict or
+// block_verdict (block), then the cut rows' new states by residual_states (u [n, G] and zeta [n, G, ...] given, the
+// residual sampler's draws; log alpha 0 where alpha_one) or reflected_states, from round_ratios' inputs, the coins eta
+// [n, G], the drafted states Y [n, G + 1, ...] (E's dtype), the rows' steps kk and block lengths g [n] (int64, all G).
+// Returns the new states [n, ...] (E's dtype), the Free drafter's eps (with_stale; else undefined), the next steps,
+// tau and the expected advance, with the values of specray/methods/diffusion/loop.py's _commit_tensors; an empty list
+// where the call is not one it serves.
+std::vector<at::Tensor> round_commit(const at::Tensor& coef, const at::Tensor& eps_draft, const at::Tensor& E,
+                                     const at::Tensor& xi, const at::Tensor& eta, const at::Tensor& Y,
+                                     const at::Tensor& kk, const at::Tensor& g, bool block,
+                                     const std::optional<at::Tensor>& u, const std::optional<at::Tensor>& zeta,
+                                     bool alpha_one, bool with_stale, const at::Tensor& constants, double delta_min);
