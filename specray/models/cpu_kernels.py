@@ -7,7 +7,8 @@ children draws (:mod:`~specray.methods.discrete.cpu_tree_rounds`) and K/V moves,
 (positions, masks, uniforms and commits: ``cpu_rounds.bookkeeping``), the diffusion rounds' draws
 (:mod:`~specray.methods.diffusion.cpu_draws`), log ratios (:mod:`~specray.methods.diffusion.cpu_ratios`), drafted
 states (:mod:`~specray.methods.diffusion.cpu_draft`), verdicts (:mod:`~specray.methods.diffusion.rules`) and residual
-draws (:mod:`~specray.methods.diffusion.residual`, these two where a process has loaded it already), and the hash of
+draws (:mod:`~specray.methods.diffusion.residual`, these two where a process has loaded it already), the work after a
+diffusion round's verify call in one call (:mod:`~specray.methods.diffusion.cpu_commit`), and the hash of
 :mod:`specray.rng` likewise, one extension.
 
 It is built on first use with torch's C++ extension tools (g++ and ninja; about 45 s on 2 cores, then cached

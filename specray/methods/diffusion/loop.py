@@ -191,7 +191,7 @@ def speculative_chain(
         was_active, active = active, np.flatnonzero(k_host < K)
         if active.size == 0:
             break
-        if not np.array_equal(active, was_active):  # the round's batch rows, rebuilt only when rows finish
+        if active.size != was_active.size:  # rows only finish: the round's batch rows, rebuilt when some did
             act = None if active.size == batch else _on(device, active)
         frozen = drafter == "frozen" or (drafter == "free" and index == 0)  # every row is new in round 0
         rnd = _new_round(index, act, all_rows, k, k_host[active], gamma, frozen, tables, stats)
@@ -338,7 +338,7 @@ def _round(chain: GaussianChain, rnd: _Round, y0: torch.Tensor, stale: torch.Ten
     if not rnd.frozen:
         target_calls = 1
     else:  # the Frozen call, then verify where the block has more than one slot
-        target_calls = (rnd.g > 1).to(torch.int64) + 1 if rnd.ragged else 1 + (rnd.G > 1)
+        target_calls = (rnd.g > 1).to(torch.int64) + 1 if rnd.ragged else (2 if rnd.G > 1 else 1)
     stats.add_calls(rnd.act, target=target_calls)
     _add(stats.expected_advance, rnd.act, done.expected_advance)
     return done.x, done.stale, done.k, done.tau_host
@@ -365,9 +365,9 @@ def _commit(chain: GaussianChain, rnd: _Round, coef: torch.Tensor, Y: torch.Tens
     if chain.clipped_mean is None and not rnd.ragged:
         u, zeta = (None, None) if residual_draws is None else (residual_draws.u, residual_draws.zeta)
         if residual_draws is None or zeta is not None:
-            done = cpu_commit.round_commit(coef, eps_draft64, E, xi, eta, Y, rnd.kk, rnd.g, block=verification ==
-                                           "block", u=u, zeta=zeta, alpha_one=residual_alpha == "one",
-                                           with_stale=with_stale)
+            done = cpu_commit.round_commit(coef, eps_draft64, E, xi, eta, Y, rnd.kk, rnd.g,
+                                           block=verification == "block", u=u, zeta=zeta,
+                                           alpha_one=residual_alpha == "one", with_stale=with_stale)
             if done is not None:
                 x, stale, k, tau, expected = done
                 return _Commit(x, stale, k, tau, tau.numpy(), expected)
