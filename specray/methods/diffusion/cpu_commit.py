@@ -80,7 +80,7 @@ def random_commits(generator: torch.Generator) -> list[tuple]:
     1 x 8 x 8 elements, 3 of 5, 16 of 1 and 16 of 1 x 8 x 8; float32 and float64 states; 1 and 7 slots; every
     :data:`MODES`; one draft eps per row and one per slot, and with and without the Free drafter's eps, in turn.
     Each row's draft eps is its target eps plus noise of its own scale, log-uniform from 1e-9 to 3, so rows accept
-    every slot, some or none. Each entry is ``(chain, round, (coef, eps_draft, E, xi, eta, Y, residual draws),
+    every slot, some or none; in every fourth round the first row's is its target eps (identical kernels). Each entry is ``(chain, round, (coef, eps_draft, E, xi, eta, Y, residual draws),
     how)``."""
     from specray.methods.diffusion import loop
 
@@ -100,6 +100,8 @@ def random_commits(generator: torch.Generator) -> list[tuple]:
         normal = lambda *size: torch.randn(size, dtype=torch.float64, generator=generator)  # noqa: E731
         E, Y = normal(n, G, *shape).to(dtype), normal(n, G + 1, *shape).to(dtype)
         scale = 10 ** (0.5 - 9.5 * torch.rand((n, 1) + (1,) * len(shape), dtype=torch.float64, generator=generator))
+        if i % 4 == 1:  # the first row's draft eps is its target eps: identical kernels, Delta 0
+            scale[0] = 0.0
         eps_draft = E[:, :G if per_slot else 1].double() + normal(n, G if per_slot else 1, *shape) * scale
         xi, zeta = normal(n, G, *shape), normal(n, G, *shape)
         eta, u = (1 - torch.rand(n, G, dtype=torch.float64, generator=generator) for _ in range(2))
