@@ -47,7 +47,7 @@ def _same(got, want) -> bool:
 
 
 def test_kernel_gives_the_tensor_paths_values(kernel) -> None:
-    """Other rounds than the check's (seed 11; the grid of ``random_commits``, 160 rounds): every output is the tensor
+    """Other rounds than the check's (seed 11; the grid of ``random_commits``, 80 rounds): every output is the tensor
     path's bit for bit, and the rounds hold cut rows and kept rows in every rule, with one slot and with seven."""
     seen = set()
     for chain, rnd, args, how in cpu_commit.random_commits(torch.Generator().manual_seed(11)):
