@@ -12,15 +12,16 @@ from specray.methods.diffusion import cpu_commit, loop
 from tests.test_diffusion_chain import make_chain, start_states
 
 
-def spy_on_kernel(module: ModuleType, monkeypatch: pytest.MonkeyPatch) -> list:
-    """What each call of ``module``'s kernel (``module._kernel``) gave, in a list that grows as the kernel serves."""
-    served, original = [], module._kernel
+def spy_on_kernel(module: ModuleType, monkeypatch: pytest.MonkeyPatch, name: str = "_kernel") -> list:
+    """What each call of ``module``'s kernel (the one its function ``name`` finds) gave, in a list that grows as the
+    kernel serves."""
+    served, original = [], getattr(module, name)
 
     def spied(like: torch.Tensor):
         found = original(like)
         return None if found is None else lambda *args: served.append(found(*args)) or served[-1]
 
-    monkeypatch.setattr(module, "_kernel", spied)
+    monkeypatch.setattr(module, name, spied)
     return served
 
 

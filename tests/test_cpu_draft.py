@@ -9,7 +9,7 @@ import torch
 
 from specray.methods.diffusion import cpu_draft, loop
 from specray.models import cpu_kernels
-from tests.diffusion_kernel_runs import assert_same_with_and_without
+from tests.diffusion_kernel_runs import assert_same_with_and_without, spy_on_kernel
 
 
 @pytest.fixture(scope="module")
@@ -226,13 +226,6 @@ def test_model_chains_are_the_same_with_and_without_the_step_kernel(step_kernel,
     """The linear-Gaussian chain and the digits DDPM with the model drafter (``assert_same_with_and_without``: the
     module's switch turns the step's kernel off too; ``_step_kernel`` spied on): the same states, statistics and
     images with the kernel stepping every round and with the loop's own torch steps."""
-    served = []
-    real = cpu_draft._step_kernel
-
-    def spied(S):
-        found = real(S)
-        return None if found is None else lambda *args: served.append(found(*args)) or served[-1]
-
-    monkeypatch.setattr(cpu_draft, "_step_kernel", spied)
+    served = spy_on_kernel(cpu_draft, monkeypatch, "_step_kernel")
     assert_same_with_and_without(cpu_draft, monkeypatch, "model", verification, rejection)
     assert len(served) > 50 and all(served)
