@@ -1,15 +1,27 @@
 """The diffusion loops run with one of a round's CPU kernels on and off (its module's ``ENABLED``), for the kernels'
-tests: the same states, statistics and images either way, and what the kernel gave."""
+tests: the same states, statistics and images either way, and what the kernel gave; and the kernels' fixtures."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from types import ModuleType
 
 import pytest
 import torch
 
 from specray.methods.diffusion import cpu_commit, loop
+from specray.models import cpu_kernels
 from tests.test_diffusion_chain import make_chain, start_states
+
+
+def checked_kernel(find: Callable[[torch.Tensor], Callable | None], what: str) -> Callable:
+    """The kernel ``find`` gives for CPU states, which gave its Python path's values in this process (the module's
+    check); the test is skipped where the extension did not build."""
+    if cpu_kernels.extension() is None:
+        pytest.skip("the CPU kernels did not build here (see the log)")
+    found = find(torch.zeros(1))
+    assert found is not None, f"the {what} built but did not give its Python path's values (see the log)"
+    return found
 
 
 def spy_on_kernel(module: ModuleType, monkeypatch: pytest.MonkeyPatch, name: str = "_kernel") -> list:

@@ -13,16 +13,12 @@ import torch
 from specray.methods.diffusion import cpu_commit, loop
 from specray.methods.diffusion.residual import DELTA_MIN, KERNEL_CONSTANTS
 from specray.models import cpu_kernels
-from tests.diffusion_kernel_runs import assert_same_with_and_without
+from tests.diffusion_kernel_runs import assert_same_with_and_without, checked_kernel
 
 
 @pytest.fixture(scope="module")
 def kernel():
-    if cpu_kernels.extension() is None:
-        pytest.skip("the CPU kernels did not build here (see the log)")
-    found = cpu_commit._kernel(torch.zeros(1))
-    assert found is not None, "the commit kernel built but did not give the tensor path's values (see the log)"
-    return found
+    return checked_kernel(cpu_commit._kernel, "commit kernel")
 
 
 def _call(kernel, rnd, args, how, **change):

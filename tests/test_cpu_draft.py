@@ -9,16 +9,12 @@ import torch
 
 from specray.methods.diffusion import cpu_draft, loop
 from specray.models import cpu_kernels
-from tests.diffusion_kernel_runs import assert_same_with_and_without, spy_on_kernel
+from tests.diffusion_kernel_runs import assert_same_with_and_without, checked_kernel, spy_on_kernel
 
 
 @pytest.fixture(scope="module")
 def kernel():
-    if cpu_kernels.extension() is None:
-        pytest.skip("the CPU kernels did not build here (see the log)")
-    found = cpu_draft._kernel(torch.zeros(1))
-    assert found is not None, "the draft kernel built but did not give torch's values (see the log)"
-    return found
+    return checked_kernel(cpu_draft._kernel, "draft kernel")
 
 
 def _inputs(n: int, G: int, shape: tuple[int, ...], dtype: torch.dtype, seed: int):
@@ -148,11 +144,7 @@ def test_chains_are_the_same_with_and_without_the_kernel(kernel, monkeypatch: py
 
 @pytest.fixture(scope="module")
 def step_kernel():
-    if cpu_kernels.extension() is None:
-        pytest.skip("the CPU kernels did not build here (see the log)")
-    found = cpu_draft._step_kernel(torch.zeros(1))
-    assert found is not None, "the draft step kernel built but did not give torch's values (see the log)"
-    return found
+    return checked_kernel(cpu_draft._step_kernel, "draft step kernel")
 
 
 def _slot_major(n: int, G: int, shape: tuple[int, ...], dtype: torch.dtype, seed: int):
@@ -196,7 +188,7 @@ def test_model_steps_the_kernel_does_not_serve_go_to_torch(step_kernel) -> None:
     for name in ("float32 eps", "strided eps"):
         j, c, e = cases[name]
         got, want = S.clone(), S.clone()
-        cpu_draft.model_step(got, j, c, e, xi)
+        cpu_draft.model_step(step_kernel, got, j, c, e, xi)
         cpu_draft.model_step_torch(want, j, c, e, xi)
         assert not got[1].isnan().any() and cpu_kernels.same_values(got, want), name
 

@@ -49,18 +49,19 @@ def affine_states_torch(y0: torch.Tensor, coef: torch.Tensor, eps: torch.Tensor,
     return torch.stack(ys, dim=1)
 
 
-def steps_in_kernel(y0: torch.Tensor, xi: torch.Tensor) -> bool:
-    """Whether :func:`model_step` steps a round from ``y0 [n, ...]`` with draft noise ``xi [n, G, ...]`` by the
-    kernel (torch's operations would cost more in slot-major states than the loop's own steps)."""
-    return xi.numel() <= KERNEL_MAX_ELEMENTS and _step_kernel(y0) is not None
+def step_kernel(y0: torch.Tensor, xi: torch.Tensor) -> Callable | None:
+    """The kernel that steps a model drafter's round from ``y0 [n, ...]`` with draft noise ``xi [n, G, ...]``, one
+    call a slot (:func:`model_step`), looked up once a round; None where it does not serve (torch's operations would
+    cost more in slot-major states than the loop's own steps)."""
+    return _step_kernel(y0) if xi.numel() <= KERNEL_MAX_ELEMENTS else None
 
 
-def model_step(S: torch.Tensor, j: int, coef: torch.Tensor, eps: torch.Tensor, xi: torch.Tensor) -> None:
-    """Slot ``j + 1`` of the slot-major drafted states ``S [G + 1, n, ...]`` from slot ``j``, where a draft model gave
-    slot j's eps ``eps [n, ...]`` (the state's dtype); ``coef`` and ``xi`` as :func:`affine_states` takes them. One
-    kernel call on a CPU where :func:`steps_in_kernel` holds."""
-    kernel = _step_kernel(S) if xi.numel() <= KERNEL_MAX_ELEMENTS else None
-    if kernel is None or not kernel(S, j, coef, eps.contiguous(), xi):
+def model_step(kernel: Callable, S: torch.Tensor, j: int, coef: torch.Tensor, eps: torch.Tensor,
+               xi: torch.Tensor) -> None:
+    """Slot ``j + 1`` of the slot-major drafted states ``S [G + 1, n, ...]`` from slot ``j`` by ``kernel`` (from
+    :func:`step_kernel`), where a draft model gave slot j's eps ``eps [n, ...]`` (the state's dtype); ``coef`` and
+    ``xi`` as :func:`affine_states` takes them. Torch's operations where the kernel refuses the call."""
+    if not kernel(S, j, coef, eps.contiguous(), xi):
         model_step_torch(S, j, coef, eps, xi)
 
 

@@ -435,11 +435,12 @@ def _draft(chain: GaussianChain, rnd: _Round, coef: torch.Tensor, y0: torch.Tens
             return cpu_draft.affine_states(y0, coef, eps64, xi), eps64[:, None]
     if model:
         eps_draft = torch.zeros((y0.shape[0], rnd.G) + tuple(y0.shape[1:]), dtype=y0.dtype, device=y0.device)
-    if model and affine and cpu_draft.steps_in_kernel(y0, xi):  # a step a kernel call, between the model's calls
+    step = cpu_draft.step_kernel(y0, xi) if model and affine else None
+    if step is not None:  # a step a kernel call, between the model's calls
         S = torch.empty((rnd.G + 1,) + tuple(y0.shape), dtype=y0.dtype)  # slot-major: each slot the model's input
         S[0] = y0
         for j in range(rnd.G):
-            cpu_draft.model_step(S, j, coef, _draft_call(chain, rnd, j, S[j], eps_draft), xi)
+            cpu_draft.model_step(step, S, j, coef, _draft_call(chain, rnd, j, S[j], eps_draft), xi)
         return S.transpose(0, 1).contiguous(), eps_draft.to(torch.float64)
     A, B, noise = coef[0].unbind(1), coef[1].unbind(1), (coef[2] * xi).unbind(1)
     ys, y64 = [y0], y0.to(torch.float64)
