@@ -160,15 +160,19 @@ def test_the_round_commit_refuses_what_it_does_not_serve(extension):
 @pytest.mark.parametrize("gamma", [1, 4, 6])
 def test_the_chain_round_plan_is_torchs(extension, monkeypatch, batch, gamma):
     """Positions, fed positions and the draft, accept and residual uniforms of a round every row takes part in, at
-    committed lengths 1 .. 64 - gamma - 1 and rounds across two chunks of uniforms: torch's values; seed 5."""
+    committed lengths 1 .. 64 - gamma - 1 and rounds across two chunks of uniforms: torch's values; and the draft
+    calls' inputs, the operations of loop._draft_every_row (the first call's tokens only where every row has committed
+    two or more, else None); seed 5."""
     num_tokens = 64
     uniforms = loop.RoundUniforms(7, torch.arange(batch) + 3, num_tokens + gamma + 1)
     steps, all_rows = torch.arange(gamma + 1), torch.arange(batch)
-    tokens = torch.zeros(batch, num_tokens + gamma + 1, dtype=torch.int64)
-    labels = torch.arange(batch) % 10
     generator = torch.Generator().manual_seed(5)
+    tokens = torch.randint(0, 17, (batch, num_tokens + gamma + 1), generator=generator)
+    labels = torch.arange(batch) % 10
     for step in (0, 2, uniforms.chunk + 3):
-        committed = torch.randint(1, num_tokens - gamma, (batch,), generator=generator)
+        committed = torch.randint(2, num_tokens - gamma, (batch,), generator=generator)
+        if step == 0:
+            committed[-1] = 1  # a row with its first image token alone: the first call feeds the class label
         got = loop._next_round(committed, num_tokens, gamma, labels, tokens, all_rows, steps, uniforms, step)
         with monkeypatch.context() as patch:
             _torch_only(patch)
@@ -177,8 +181,56 @@ def test_the_chain_round_plan_is_torchs(extension, monkeypatch, batch, gamma):
         assert torch.equal(got[0].fed_positions, want[0].fed_positions)
         for g, w in zip(got[1], want[1]):
             assert g.dtype == w.dtype and torch.equal(g, w)
+        assert want[0].draft_inputs is None
+        first_positions, first_fed, later_positions, u_columns = got[0].draft_inputs
+        rnd, u_draft = want[0], want[1][0]
+        assert torch.equal(first_positions, rnd.fed_positions[:, :2])
+        if step == 0:
+            assert first_fed is None
+        else:
+            assert torch.equal(first_fed, rnd.tokens.gather(1, rnd.fed_positions[:, :2] - 1))
+        for g, w in zip(later_positions + u_columns, rnd.positions[:, 1:gamma, None].unbind(1)
+                        + u_draft[:, :, None].unbind(1), strict=True):
+            assert g.dtype == w.dtype and g.shape == w.shape and torch.equal(g, w)
     slab = uniforms.slab(0)
-    assert extension.chain_plan(torch.full((batch,), slab.shape[1] - gamma + 1), gamma, slab)[0] is None  # past it
+    past = torch.full((batch,), slab.shape[1] - gamma + 1)
+    assert extension.chain_plan(past, gamma, slab, tokens)[0] is None  # past it
+    assert extension.chain_plan(committed, gamma, slab, tokens[:, 0])[0] is None  # a buffer of another shape
+
+
+@pytest.mark.parametrize("batch", [1, 3, 32])
+@pytest.mark.parametrize("gamma", [1, 4, 6])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_the_chain_verify_inputs_are_torchs(extension, batch, gamma, dtype):
+    """The verify call's inputs of a round every row takes part in, from the drafts and laws as columns: the stacked
+    drafts and laws, the token buffer after the drafts' write and the tokens fed, equal to torch.cat, torch.stack,
+    scatter_ and gather's (loop._verify_inputs without the kernel), at committed lengths 1 .. 64 - gamma - 1; seed 8."""
+    generator = torch.Generator().manual_seed(8)
+    committed = torch.randint(1, 64 - gamma, (batch,), generator=generator)
+    positions = committed[:, None] + torch.arange(gamma + 1)
+    ds = [torch.randint(0, 17, (batch, 1), generator=generator) for _ in range(gamma)]
+    qs = [torch.rand(batch, 17, generator=generator, dtype=dtype) for _ in range(gamma)]
+    buffer = torch.randint(0, 17, (batch, 64 + gamma + 1), generator=generator)
+    got_buffer, want_buffer = buffer.clone(), buffer.clone()
+    got = extension.chain_verify_inputs(ds, qs, got_buffer, positions, positions - 1)
+    rnd = loop._Round(torch.arange(batch), False, committed, None, [gamma] * batch, None, want_buffer, positions,
+                      positions - 1, int(committed.max()))  # not full: torch's operations
+    want = loop._verify_inputs(rnd, ds, qs, gamma)
+    for g, w in zip(got, want, strict=True):
+        assert g.dtype == w.dtype and torch.equal(g, w)
+    assert torch.equal(got_buffer, want_buffer) and not torch.equal(got_buffer, buffer)
+
+
+def test_the_chain_verify_inputs_refuse_what_they_do_not_serve(extension):
+    """A position past the token buffer, laws of two dtypes, or a draft column of another shape: None, nothing
+    written."""
+    positions = torch.tensor([[5, 6, 7]])
+    ds, qs = [torch.tensor([[1]]), torch.tensor([[2]])], [torch.rand(1, 17), torch.rand(1, 17)]
+    tokens = torch.zeros(1, 8, dtype=torch.int64)
+    assert extension.chain_verify_inputs(ds, qs, tokens, positions + 2, positions + 1)[0] is None  # slot 8 is past it
+    assert extension.chain_verify_inputs(ds, [qs[0], qs[1].double()], tokens, positions, positions - 1)[0] is None
+    assert extension.chain_verify_inputs([ds[0], torch.tensor([1, 2])], qs, tokens, positions, positions - 1)[0] is None
+    assert not tokens.any()
 
 
 def _chain_streams(guided: bool, batch: int):
@@ -243,7 +295,8 @@ def test_the_chain_arms_give_the_same_samples_with_and_without_the_kernels(exten
         pytest.skip(f"{draft} not trained")
     pair = load_pair("digits-gpt-target", draft, "cpu")
     ids = torch.arange(12) + 40
-    names = ("chain_plan", "chain_commit") if draft == "digits-gpt-draft" else ("chain_plan", "tree_masks")
+    names = (("chain_plan", "chain_verify_inputs", "chain_commit") if draft == "digits-gpt-draft" else
+             ("chain_plan", "tree_masks"))
     served = {name: [] for name in names}
     for name in names:
         real = getattr(extension, name)

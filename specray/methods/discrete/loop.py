@@ -42,7 +42,8 @@ updated in place; the common round (every row drafts gamma tokens) skips the per
 indexing and verifies in one group; counters stay on the device (:class:`~specray.methods.common.RoundTally`) and are moved
 once; the host syncs are two per round (draft lengths, and the active rows only once some are done). On a CPU a round's
 decision and each draw are one C++ call (:mod:`~specray.methods.discrete.cpu_rounds`, the same values), and so are a
-round's positions and uniforms and its commit while every row takes part (``cpu_rounds.bookkeeping``).
+round's positions, uniforms and draft calls' inputs, its verify call's inputs, and its commit while every row takes
+part (``cpu_rounds.bookkeeping``).
 """
 
 from __future__ import annotations
@@ -252,6 +253,13 @@ class _Round:
     positions: torch.Tensor  # [r, gamma + 1]: image-token index of each draft = sequence position fed in verify
     fed_positions: torch.Tensor  # positions - 1: image-token index of the token fed at each of them
     top: int  # the rows' largest committed length (the largest of positions is top + gamma), on the host
+    # The draft calls' inputs where the plan's kernel made them (cpu_rounds.bookkeeping's chain_plan): the first call's
+    # positions and tokens (None in round 0), the later calls' positions and the draft uniforms, by column.
+    draft_inputs: tuple | None = None
+
+
+# A round's drafts and their laws: [r, gamma] and [r, gamma, V], or the common round's columns [r, 1] and [r, V].
+Drafted = tuple[torch.Tensor, torch.Tensor] | tuple[list[torch.Tensor], list[torch.Tensor]]
 
 
 @functools.lru_cache(maxsize=16)
@@ -277,10 +285,11 @@ def _next_round(committed: torch.Tensor, num_tokens: int, gamma: int, labels: to
                 (num_tokens - 1 - committed).clamp(max=gamma))
     if len(lengths) == committed.shape[0]:
         kernels = cpu_rounds.bookkeeping(committed.device)
-        planned = None if kernels is None else kernels.chain_plan(committed, gamma, uniforms.slab(step))
+        planned = None if kernels is None else kernels.chain_plan(committed, gamma, uniforms.slab(step), tokens)
         if planned is not None and planned[0] is not None:  # one call, the same values
-            positions, fed_positions, u_draft, u_accept, u_residual = planned
-            rnd = _Round(all_rows, True, committed, n_drafts, lengths, labels, tokens, positions, fed_positions, top)
+            positions, fed_positions, u_draft, u_accept, u_residual, *draft_inputs = planned
+            rnd = _Round(all_rows, True, committed, n_drafts, lengths, labels, tokens, positions, fed_positions, top,
+                         tuple(draft_inputs))
             return rnd, (u_draft, u_accept, u_residual)
         rnd = _Round(all_rows, True, committed, n_drafts, lengths, labels, tokens, committed[:, None] + steps, None, top)
     else:
@@ -293,8 +302,9 @@ def _next_round(committed: torch.Tensor, num_tokens: int, gamma: int, labels: to
 
 
 def _draft(stream: GuidedModel, rnd: _Round, u_draft: torch.Tensor, first_round: bool, gamma: int,
-           vocab: int, draws: tuple[Callable, Callable]) -> tuple[torch.Tensor, torch.Tensor]:
-    """1. DRAFT: ``g_b`` tokens per row (rows with ``g_b <= i`` sit out step i); drafts and their laws Q. ``draws``:
+           vocab: int, draws: tuple[Callable, Callable]) -> Drafted:
+    """1. DRAFT: ``g_b`` tokens per row (rows with ``g_b <= i`` sit out step i); drafts and their laws Q (the
+    common round's as columns, :func:`_draft_every_row`). ``draws``:
     :func:`~specray.methods.discrete.cpu_rounds.bound_draw`'s flat and column draws for the draft's laws."""
     g_min = min(rnd.lengths)
     draw, draw_column = draws
@@ -329,34 +339,50 @@ def _draft(stream: GuidedModel, rnd: _Round, u_draft: torch.Tensor, first_round:
 
 
 def _draft_every_row(stream: GuidedModel, rnd: _Round, u_draft: torch.Tensor, first_round: bool,
-                     gamma: int, draw_column: Callable) -> tuple[torch.Tensor, torch.Tensor]:
+                     gamma: int, draw_column: Callable) -> Drafted:
     """:func:`_draft` for the common round, every row drafting ``gamma`` tokens: the same calls and
-    draws, with the per-step columns split off once and the results stacked once (fewer ops)."""
-    positions = rnd.fed_positions[:, :2]  # step 0 catches up sequence positions [n - 1, n] (see _draft)
-    if first_round:
-        fed = sequence_tokens(rnd.labels, rnd.tokens, positions)
+    draws, with the per-step columns split off once (by the plan's kernel where it made them); the drafts
+    ``[r, 1]`` and laws ``[r, V]`` as lists of columns, stacked with the verify call's inputs
+    (:func:`_verify_inputs`)."""
+    made = rnd.draft_inputs
+    if made is not None and made[1] is not None and not first_round:  # one call made them all (chain_plan)
+        positions, fed, later_positions, u_columns = made
     else:
-        fed = rnd.tokens.gather(1, positions - 1)
-    later_positions = rnd.positions[:, 1:gamma, None].unbind(1)  # [r, 1] columns, one op (split costs more)
+        positions = rnd.fed_positions[:, :2]  # step 0 catches up sequence positions [n - 1, n] (see _draft)
+        if first_round:
+            fed = sequence_tokens(rnd.labels, rnd.tokens, positions)
+        else:
+            fed = rnd.tokens.gather(1, positions - 1)
+        later_positions = rnd.positions[:, 1:gamma, None].unbind(1)  # [r, 1] columns, one op (split costs more)
+        u_columns = u_draft[:, :, None].unbind(1)
     qs, ds = [], []
-    for i, u in enumerate(u_draft[:, :, None].unbind(1)):
+    for i, u in enumerate(u_columns):
         if i > 0:
             positions, fed = later_positions[i - 1], ds[-1]
         q = stream.probs(rnd.idx, fed, positions, all_rows=rnd.full, prefix=first_round and i == 0)[:, -1]
         qs.append(q)
         ds.append(draw_column(q, u))  # [r, 1]: the next step's fed column
-    return torch.cat(ds, dim=1), torch.stack(qs, dim=1)
+    return ds, qs
 
 
-def _target_probs(stream: GuidedModel, rnd: _Round, drafts: torch.Tensor, gamma: int) -> torch.Tensor:
-    """2. VERIFY: one target call on ``[last committed token, d_1 .. d_gamma]`` at positions ``n .. n + gamma``.
+def _verify_inputs(rnd: _Round, drafts: torch.Tensor | list[torch.Tensor], Q: torch.Tensor | list[torch.Tensor],
+                   gamma: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """2. VERIFY's inputs: the drafts ``[r, gamma]``, their laws ``[r, gamma, V]`` (from :func:`_draft`'s columns where
+    it gave them) and the tokens of the target call on ``[last committed token, d_1 .. d_gamma]`` at positions
+    ``n .. n + gamma``; a full round's in one call on a CPU (``chain_verify_inputs``, the same operations).
 
     The drafts are written into the token buffer first: positions past the committed length are
     scratch (never read before a later round commits them), so accepted drafts need no copy.
     """
+    if isinstance(drafts, list):
+        kernels = cpu_rounds.bookkeeping(rnd.tokens.device) if rnd.full else None
+        made = None if kernels is None else kernels.chain_verify_inputs(drafts, Q, rnd.tokens, rnd.positions,
+                                                                        rnd.fed_positions)
+        if made is not None and made[0] is not None:
+            return made
+        drafts, Q = torch.cat(drafts, dim=1), torch.stack(Q, dim=1)
     rnd.tokens.scatter_(1, rnd.positions[:, :gamma], drafts)
-    return stream.probs(rnd.idx, rnd.tokens.gather(1, rnd.fed_positions), rnd.positions, all_rows=rnd.full,
-                        prefix=False)
+    return drafts, Q, rnd.tokens.gather(1, rnd.fed_positions)
 
 
 def _decide(verifier: Verifier, rnd: _Round, P: torch.Tensor, Q: torch.Tensor, drafts: torch.Tensor,
@@ -438,7 +464,8 @@ def _speculative(verifier: Verifier, params: Speculative, pair: ModelPair, label
             break
         rnd, (u_draft, u_accept, u_residual) = planned
         drafts, Q = _draft(draft_stream, rnd, u_draft, it == 0, gamma, vocab, draws)
-        P = _target_probs(target_stream, rnd, drafts, gamma)
+        drafts, Q, fed = _verify_inputs(rnd, drafts, Q, gamma)
+        P = target_stream.probs(rnd.idx, fed, rnd.positions, all_rows=rnd.full, prefix=False)
         n_acc, next_token = _decide(verifier, rnd, P, Q, drafts, u_accept, u_residual)
         _commit(rnd, n_acc, next_token, tokens, committed, target_stream, draft_stream)
         tally.observe_prefix(None if rnd.full else rnd.idx, rnd.positions, rnd.n_drafts, n_acc)  # slot gamma: never drafted

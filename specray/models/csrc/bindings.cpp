@@ -26,7 +26,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("head_step", &head_step, "an EAGLE head's cached call and its logits with the values of torch's operations");
   m.def("write_blocks", &write_blocks, "K/V of consecutive positions per row into a head-major CPU cache");
   m.def("move_slots", &move_slots, "K/V slots moved within a head-major CPU cache, every layer at once");
-  m.def("chain_plan", &chain_plan, "a draft GPT's round's positions and uniforms, every row taking part");
+  m.def("chain_plan", &chain_plan, "a draft GPT's round's positions, uniforms and draft calls' inputs, every row "
+        "taking part");
+  m.def("chain_verify_inputs", &chain_verify_inputs, "a draft GPT's round's verify call's inputs, every row taking "
+        "part");
   m.def("chain_commit", &chain_commit, "a draft GPT's round's commit: the next token, the caches' lengths");
   m.def("tree_masks", &tree_masks, "a static tree round's slots, positions and attention masks");
   m.def("tree_uniforms", &tree_uniforms, "a static tree round's uniforms per node");

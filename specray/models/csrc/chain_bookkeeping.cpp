@@ -1,19 +1,20 @@
 // A draft GPT's speculative round's bookkeeping on a CPU, one call each where every row of the batch takes part: the
-// round's positions and uniforms, and its commit (the correction / bonus into the token buffer, both caches' lengths,
-// the committed lengths). The values of specray/methods/discrete/loop.py's torch operations (about 15 of them a
-// round, a few microseconds of dispatch each at batch 1): integer sums, a minimum, copies.
+// round's positions, uniforms and draft calls' inputs; the verify call's inputs; and its commit (the correction / bonus
+// into the token buffer, both caches' lengths, the committed lengths). The values of
+// specray/methods/discrete/loop.py's torch operations (about 25 of them a round, a few microseconds of dispatch each
+// at batch 1): integer sums, a minimum, copies.
 #include "kernels.h"
 
 #include <algorithm>
 #include <cstdint>
 #include <tuple>
+#include <vector>
 
 // See kernels.h.
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> chain_plan(const at::Tensor& committed,
-                                                                                  int64_t gamma,
-                                                                                  const at::Tensor& slab) {
-  if (!on_cpu({&committed}, at::kLong) || !on_cpu({&slab}, at::kDouble) || committed.dim() != 1 || slab.dim() != 3 ||
-      slab.size(0) != committed.size(0) || slab.size(2) != 3 || gamma < 1) {
+ChainPlan chain_plan(const at::Tensor& committed, int64_t gamma, const at::Tensor& slab, const at::Tensor& tokens) {
+  if (!on_cpu({&committed, &tokens}, at::kLong) || !on_cpu({&slab}, at::kDouble) || committed.dim() != 1 ||
+      slab.dim() != 3 || slab.size(0) != committed.size(0) || slab.size(2) != 3 || tokens.dim() != 2 ||
+      tokens.size(0) != committed.size(0) || gamma < 1) {
     return {};
   }
   const int64_t rows = committed.size(0);
@@ -44,7 +45,101 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> chain_pla
     }
     residual[b] = u[b][n[b]][2];
   }
-  return {positions, fed_positions, u_draft, u_accept, u_residual};
+  // The draft calls' inputs: step 0 catches up sequence positions n - 1, n, fed image tokens n - 2, n - 1 (from round
+  // 1 on, where n >= 2: in round 0 the class label takes position 0, and first_fed stays undefined); step i >= 1 is
+  // fed at position n + i. The later positions and the draft uniforms as [B, 1] columns, each a view of one buffer
+  // (two allocations, not one copy each).
+  at::Tensor first_fed;
+  bool caught_up = true;
+  for (int64_t b = 0; b < rows; ++b) caught_up = caught_up && n[b] >= 2 && n[b] - 1 < tokens.size(1);
+  if (caught_up) {
+    first_fed = at::empty({rows, 2}, longs);
+    const auto buffer = tokens.accessor<int64_t, 2>();
+    int64_t* out = first_fed.data_ptr<int64_t>();
+    for (int64_t b = 0; b < rows; ++b) {
+      out[2 * b] = buffer[b][n[b] - 2];
+      out[2 * b + 1] = buffer[b][n[b] - 1];
+    }
+  }
+  at::Tensor later = at::empty({gamma - 1, rows, 1}, longs), columns = at::empty({gamma, rows, 1}, doubles);
+  int64_t* later_at = later.data_ptr<int64_t>();
+  double* column_at = columns.data_ptr<double>();
+  for (int64_t b = 0; b < rows; ++b) {
+    for (int64_t i = 1; i < gamma; ++i) later_at[(i - 1) * rows + b] = n[b] + i;
+    for (int64_t i = 0; i < gamma; ++i) column_at[i * rows + b] = draft[b * gamma + i];
+  }
+  return {positions, fed_positions, u_draft, u_accept, u_residual, fed_positions.narrow(1, 0, 2), first_fed,
+          later.unbind(0), columns.unbind(0)};
+}
+
+namespace {
+
+// laws (gamma of [B, V], any strides) into out [B, gamma, V], contiguous.
+template <typename T>
+void stack_laws(const std::vector<at::Tensor>& laws, at::Tensor& out) {
+  const int64_t gamma = out.size(1), rows = out.size(0), width = out.size(2);
+  T* to = out.data_ptr<T>();
+  for (int64_t i = 0; i < gamma; ++i) {
+    const auto law = laws[i].accessor<T, 2>();
+    for (int64_t b = 0; b < rows; ++b) {
+      for (int64_t v = 0; v < width; ++v) to[(b * gamma + i) * width + v] = law[b][v];
+    }
+  }
+}
+
+}  // namespace
+
+// See kernels.h. Every index is checked before anything is written.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> chain_verify_inputs(const std::vector<at::Tensor>& draft_columns,
+                                                                   const std::vector<at::Tensor>& laws,
+                                                                   at::Tensor& tokens, const at::Tensor& positions,
+                                                                   const at::Tensor& fed_positions) {
+  const int64_t gamma = static_cast<int64_t>(draft_columns.size());
+  if (gamma < 1 || laws.size() != draft_columns.size() || !on_cpu({&tokens, &positions, &fed_positions}, at::kLong) ||
+      tokens.dim() != 2 || positions.dim() != 2 || positions.size(1) != gamma + 1 ||
+      fed_positions.sizes() != positions.sizes() || positions.size(0) != tokens.size(0)) {
+    return {};
+  }
+  const int64_t rows = tokens.size(0), width = tokens.size(1);
+  const at::ScalarType law_type = laws[0].scalar_type();
+  if (law_type != at::kFloat && law_type != at::kDouble) return {};
+  for (int64_t i = 0; i < gamma; ++i) {
+    const at::Tensor& column = draft_columns[i];
+    const at::Tensor& law = laws[i];
+    if (!on_cpu({&column}, at::kLong) || column.dim() != 2 || column.size(0) != rows || column.size(1) != 1 ||
+        !on_cpu({&law}, law_type) || law.dim() != 2 || law.sizes() != laws[0].sizes() ||
+        law.size(0) != rows) {
+      return {};
+    }
+  }
+  const auto to = positions.accessor<int64_t, 2>();
+  const auto from = fed_positions.accessor<int64_t, 2>();
+  for (int64_t b = 0; b < rows; ++b) {
+    for (int64_t i = 0; i <= gamma; ++i) {
+      if ((i < gamma && (to[b][i] < 0 || to[b][i] >= width)) || from[b][i] < 0 || from[b][i] >= width) return {};
+    }
+  }
+  // torch.cat of the drafts, torch.stack of the laws, scatter_ of the drafts into the buffer, then its gather.
+  const int64_t width_v = laws[0].size(1);
+  at::Tensor drafts = at::empty({rows, gamma}, tokens.options()), fed = at::empty({rows, gamma + 1}, tokens.options());
+  at::Tensor stacked = at::empty({rows, gamma, width_v}, laws[0].options());
+  if (stacked.scalar_type() == at::kFloat) {
+    stack_laws<float>(laws, stacked);
+  } else {
+    stack_laws<double>(laws, stacked);
+  }
+  auto buffer = tokens.accessor<int64_t, 2>();
+  int64_t* drafted = drafts.data_ptr<int64_t>();
+  int64_t* fed_at = fed.data_ptr<int64_t>();
+  for (int64_t i = 0; i < gamma; ++i) {
+    const auto column = draft_columns[i].accessor<int64_t, 2>();
+    for (int64_t b = 0; b < rows; ++b) drafted[b * gamma + i] = column[b][0];
+  }
+  for (int64_t b = 0; b < rows; ++b) {
+    for (int64_t i = 0; i < gamma; ++i) buffer[b][to[b][i]] = drafted[b * gamma + i];
+    for (int64_t i = 0; i <= gamma; ++i) fed_at[b * (gamma + 1) + i] = buffer[b][from[b][i]];
+  }
+  return {drafts, stacked, fed};
 }
 
 // See kernels.h. Every index is checked before anything is written.

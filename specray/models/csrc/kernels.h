@@ -43,13 +43,25 @@ bool write_blocks(at::Tensor& storage, const at::Tensor& x, const at::Tensor& ro
 bool move_slots(at::Tensor& storage, const at::Tensor& rows, const at::Tensor& source, const at::Tensor& dest);
 
 // A draft GPT's speculative round where every row of the batch takes part (chain_bookkeeping.cpp), with the values
-// of specray/methods/discrete/loop.py's torch operations: from the committed lengths n [B] and the round's uniforms
-// slab [B, positions, 3] (float64, the streams draft, accept, residual last), positions n + i and fed positions
-// n + i - 1 [B, gamma + 1], u_draft and u_accept [B, gamma] (positions n .. n + gamma - 1) and u_residual [B]
-// (position n). Undefined tensors where the call is not one it serves.
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> chain_plan(const at::Tensor& committed,
-                                                                                  int64_t gamma,
-                                                                                  const at::Tensor& slab);
+// of specray/methods/discrete/loop.py's torch operations: from the committed lengths n [B], the round's uniforms
+// slab [B, positions, 3] (float64, the streams draft, accept, residual last) and the token buffer tokens [B, T],
+// positions n + i and fed positions n + i - 1 [B, gamma + 1], u_draft and u_accept [B, gamma] (positions
+// n .. n + gamma - 1) and u_residual [B] (position n); and the draft calls' inputs: the first call's positions
+// n - 1, n [B, 2] and tokens (image tokens n - 2, n - 1; undefined unless every n >= 2), the later calls' positions
+// n + i [B, 1] (i = 1 .. gamma - 1) and the draft uniforms by column [B, 1]. Undefined tensors where the call is not
+// one it serves.
+using ChainPlan = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
+                             std::vector<at::Tensor>, std::vector<at::Tensor>>;
+ChainPlan chain_plan(const at::Tensor& committed, int64_t gamma, const at::Tensor& slab, const at::Tensor& tokens);
+
+// Its verify call's inputs: the drafts draft_columns (gamma of [B, 1], int64) and their laws (gamma of [B, V]) stacked
+// to [B, gamma] and [B, gamma, V], the drafts written into tokens [B, T] at positions [B, gamma + 1]'s first gamma,
+// and the tokens then at fed_positions [B, gamma + 1]. Undefined tensors, with nothing written, where the call is not
+// one it serves.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> chain_verify_inputs(const std::vector<at::Tensor>& draft_columns,
+                                                                   const std::vector<at::Tensor>& laws,
+                                                                   at::Tensor& tokens, const at::Tensor& positions,
+                                                                   const at::Tensor& fed_positions);
 
 // Its commit: tokens [B, T] take next_token [B] at n + n_accepted; the target's cache lengths [B or 2B] (the uncond
 // rows after) n + n_accepted + 1, the draft's min(that, n + n_drafts); committed [B] (n, in place) n + n_accepted + 1.
