@@ -204,12 +204,14 @@ def test_the_chain_round_plan_is_torchs(extension, monkeypatch, batch, gamma):
 def test_the_chain_verify_inputs_are_torchs(extension, batch, gamma, dtype):
     """The verify call's inputs of a round every row takes part in, from the drafts and laws as columns: the stacked
     drafts and laws, the token buffer after the drafts' write and the tokens fed, equal to torch.cat, torch.stack,
-    scatter_ and gather's (loop._verify_inputs without the kernel), at committed lengths 1 .. 64 - gamma - 1; seed 8."""
+    scatter_ and gather's (loop._verify_inputs without the kernel), at committed lengths 1 .. 64 - gamma - 1, the first
+    laws a strided view; seed 8."""
     generator = torch.Generator().manual_seed(8)
     committed = torch.randint(1, 64 - gamma, (batch,), generator=generator)
     positions = committed[:, None] + torch.arange(gamma + 1)
     ds = [torch.randint(0, 17, (batch, 1), generator=generator) for _ in range(gamma)]
     qs = [torch.rand(batch, 17, generator=generator, dtype=dtype) for _ in range(gamma)]
+    qs[0] = torch.rand(batch, 2, 17, generator=generator, dtype=dtype)[:, -1]  # strided, as a 2-token call's last laws
     buffer = torch.randint(0, 17, (batch, 64 + gamma + 1), generator=generator)
     got_buffer, want_buffer = buffer.clone(), buffer.clone()
     got = extension.chain_verify_inputs(ds, qs, got_buffer, positions, positions - 1)
@@ -231,6 +233,29 @@ def test_the_chain_verify_inputs_refuse_what_they_do_not_serve(extension):
     assert extension.chain_verify_inputs(ds, [qs[0], qs[1].double()], tokens, positions, positions - 1)[0] is None
     assert extension.chain_verify_inputs([ds[0], torch.tensor([1, 2])], qs, tokens, positions, positions - 1)[0] is None
     assert not tokens.any()
+
+
+def test_the_chain_round_feeds_the_plans_draft_inputs(extension, monkeypatch):
+    """Negative control for the draft calls' inputs the plan makes: with the first draft call's tokens one token off
+    in every round that has them, an sd arm's samples differ from those of the plan as it is (12 samples at batch 12,
+    gamma 4, CFG 1.5, seed 3), so the loop feeds them."""
+    if not get_preset("digits-gpt-draft").weights_path.exists():
+        pytest.skip("digits-gpt-draft not trained")
+    pair = load_pair("digits-gpt-target", "digits-gpt-draft", "cpu")
+    ids, vocab = torch.arange(12) + 40, pair.target.config.vocab_size
+    right = generate_tokens("sd", {"gamma": 4, "cfg_scale": 1.5}, pair, ids % 10, ids, 3)[0]
+    real, shifted = extension.chain_plan, []
+
+    def first_tokens_off(*args):
+        planned = list(real(*args))
+        if planned[6] is not None:
+            planned[6] = (planned[6] + 1) % vocab
+            shifted.append(True)
+        return tuple(planned)
+
+    monkeypatch.setattr(extension, "chain_plan", first_tokens_off)
+    wrong = generate_tokens("sd", {"gamma": 4, "cfg_scale": 1.5}, pair, ids % 10, ids, 3)[0]
+    assert shifted and not torch.equal(wrong, right)
 
 
 def _chain_streams(guided: bool, batch: int):
