@@ -1,5 +1,5 @@
-"""bench/round_segments.py: how it names and counts the gaps between a round's notes, and what it refuses; no timing
-is asserted."""
+"""bench/round_segments.py: how it names and counts the gaps between a round's notes, in the diffusion family and the
+discrete family's draft-GPT chains, and what it refuses; no timing is asserted."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import round_segments  # noqa: E402
 from specray.methods.diffusion import loop  # noqa: E402
+from specray.methods.discrete import loop as discrete_loop  # noqa: E402
 
 
 def test_gaps_leave_out_the_calls_and_name_each_gap_by_its_two_notes():
@@ -39,7 +40,28 @@ def test_a_short_run_prints_each_arms_gaps_and_puts_the_wrapped_functions_back(c
     assert loop._round is round_function
 
 
+def test_the_discrete_choices_are_the_draft_gpt_chains_of_its_bench():
+    assert set(round_segments.CHAINS) == {"sd", "block", "lantern", "cool_sd d=1.1", "cool_sd d=2.0", "uniform_rsd"}
+
+
+def test_a_short_discrete_run_prints_each_gap_of_a_chain_round_and_puts_the_wrapped_functions_back(capsys):
+    wrapped = (discrete_loop.GuidedModel.forward, discrete_loop._next_round, discrete_loop._decide,
+               discrete_loop._commit)
+    round_segments.main(["--family", "discrete", "--arms", "sd", "--gamma", "2", "--reps", "1", "--warm", "0"])
+    gaps = {line.split()[1] + " " + line.split()[2] for line in capsys.readouterr().out.splitlines()
+            if line.startswith("sd ") and "rounds" not in line}
+    # a round: the plan, its draft calls, the verify call, the decision, the commit
+    assert {"N< N>", "N> D<", "D> D<", "D> T<", "T> V<", "V< V>", "V> C<", "C< C>", "C> N<"} <= gaps
+    assert (discrete_loop.GuidedModel.forward, discrete_loop._next_round, discrete_loop._decide,
+            discrete_loop._commit) == wrapped
+
+
 @pytest.mark.parametrize("argv,message", [
+    (["--family", "discrete", "--arms", "eagle sd"], "--arms: unknown ['eagle sd']; the speculative rows of "
+                                                     "bench/discrete.py (its draft-GPT chains) are ['sd', 'block', "
+                                                     "'lantern', 'cool_sd d=1.1', 'cool_sd d=2.0', 'uniform_rsd']"),
+    (["--family", "continuous"], "argument --family: invalid choice: 'continuous' (choose from"),
+    (["--gamma", "0"], "--gamma must be at least 1, got 0"),
     (["--arms", "target_only"], "--arms: unknown ['target_only']; the speculative rows of bench/diffusion.py are "
                                 "['token frozen', 'token free', 'token model', 'block frozen', 'block free', "
                                 "'block model']"),
