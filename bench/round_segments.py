@@ -42,8 +42,9 @@ import contextlib
 import statistics
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any, NamedTuple
 
 import torch
 
@@ -136,13 +137,20 @@ def _chain_arm(name: str, args, pair, batches, notes: list[Note]) -> None:
             discrete_loop.run_batch(method, {**params, "gamma": args.gamma}, pair, labels, sample_ids, args.seed)
 
 
-# Per family: its arms, the default ones, the bench they come from, the note that counts rounds, how to load its pair
-# and run an arm.
+class Family(NamedTuple):
+    arms: dict  # the speculative rows of its bench, by name
+    default_arms: str
+    bench: str  # where the arms come from
+    round_note: str  # the note that comes once a round
+    load: Callable[[], Any]  # its model pair
+    run_arm: Callable[..., None]
+
+
 FAMILIES = {
-    "diffusion": (SPECULATIVE, "token frozen,block free,token model", "bench/diffusion.py", "R<",
-                  lambda: diffusion.load_pair(diffusion.TARGET, diffusion.DRAFT, "cpu"), _diffusion_arm),
-    "discrete": (CHAINS, "sd,block,cool_sd d=2.0", "bench/discrete.py (its draft-GPT chains)", "V<",
-                 lambda: discrete_ar.load_pair(discrete.TARGET, discrete.DRAFT, "cpu"), _chain_arm),
+    "diffusion": Family(SPECULATIVE, "token frozen,block free,token model", "bench/diffusion.py", "R<",
+                        lambda: diffusion.load_pair(diffusion.TARGET, diffusion.DRAFT, "cpu"), _diffusion_arm),
+    "discrete": Family(CHAINS, "sd,block,cool_sd d=2.0", "bench/discrete.py (its draft-GPT chains)", "V<",
+                       lambda: discrete_ar.load_pair(discrete.TARGET, discrete.DRAFT, "cpu"), _chain_arm),
 }
 
 
@@ -150,7 +158,7 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--family", choices=list(FAMILIES), default="diffusion")
     ap.add_argument("--arms", default=None, help="comma-separated speculative rows of the family's bench (default: "
-                    + "; ".join(f"{family}: {FAMILIES[family][1]}" for family in FAMILIES) + ")")
+                    + "; ".join(f"{name}: {family.default_arms}" for name, family in FAMILIES.items()) + ")")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--steps", type=int, default=100, help="denoising steps K (diffusion)")
     ap.add_argument("--gamma", type=int, default=4, help="drafts a round (discrete)")
@@ -163,13 +171,13 @@ def main(argv: list[str] | None = None) -> None:
             ap.error(f"--{name} must be at least 1, got {getattr(args, name)}")
     if args.warm < 0:
         ap.error(f"--warm must be at least 0, got {args.warm}")
-    arms, default_arms, bench, round_note, load, run_arm = FAMILIES[args.family]
-    chosen = [name.strip() for name in (args.arms or default_arms).split(",")]
-    unknown = [name for name in chosen if name not in arms]
+    family = FAMILIES[args.family]
+    chosen = [name.strip() for name in (args.arms or family.default_arms).split(",")]
+    unknown = [name for name in chosen if name not in family.arms]
     if unknown:
-        ap.error(f"--arms: unknown {unknown}; the speculative rows of {bench} are {list(arms)}")
+        ap.error(f"--arms: unknown {unknown}; the speculative rows of {family.bench} are {list(family.arms)}")
     torch.set_num_threads(1)
-    pair = load()
+    pair = family.load()
     batches = batches_of(args.batch * (args.warm + args.reps), args.batch)
     shape = f"K={args.steps}, gamma={GAMMA}" if args.family == "diffusion" else f"gamma={args.gamma}"
     print(f"# specray round segments: the {args.family} family at batch {args.batch} on "
@@ -178,8 +186,8 @@ def main(argv: list[str] | None = None) -> None:
     header = f"{'arm':<14} {'gap':<7} {'a round':>8} {'median us':>10} {'us a round':>11}"
     for name in chosen:
         notes: list[Note] = []
-        run_arm(name, args, pair, batches, notes)
-        gaps, rounds = gaps_by_kind(notes, round_note)
+        family.run_arm(name, args, pair, batches, notes)
+        gaps, rounds = gaps_by_kind(notes, family.round_note)
         print(f"\n{header}\n{'-' * len(header)}")
         for gap, times in sorted(gaps.items(), key=lambda item: -sum(item[1])):
             print(f"{name:<14} {gap:<7} {len(times) / rounds:>8.2f} {statistics.median(times):>10.1f} "
