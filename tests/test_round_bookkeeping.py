@@ -162,7 +162,7 @@ def test_the_chain_round_plan_is_torchs(extension, monkeypatch, batch, gamma):
     """Positions, fed positions and the draft, accept and residual uniforms of a round every row takes part in, at
     committed lengths 1 .. 64 - gamma - 1 and rounds across two chunks of uniforms: torch's values; and the draft
     calls' inputs, the operations of loop._draft_every_row (the first call's tokens only where every row has committed
-    two or more, else None); seed 5."""
+    two or more, else None), and none where they are not asked for (the EAGLE head's chain); seed 5."""
     num_tokens = 64
     uniforms = loop.RoundUniforms(7, torch.arange(batch) + 3, num_tokens + gamma + 1)
     steps, all_rows = torch.arange(gamma + 1), torch.arange(batch)
@@ -192,6 +192,9 @@ def test_the_chain_round_plan_is_torchs(extension, monkeypatch, batch, gamma):
         for g, w in zip(later_positions + u_columns, rnd.positions[:, 1:gamma, None].unbind(1)
                         + u_draft[:, :, None].unbind(1), strict=True):
             assert g.dtype == w.dtype and g.shape == w.shape and torch.equal(g, w)
+        head_chain = loop._next_round(committed, num_tokens, gamma, labels, tokens, all_rows, steps, uniforms, step,
+                                      draft_inputs=False)  # as the EAGLE head's chain plans: no draft inputs
+        assert head_chain[0].draft_inputs is None and torch.equal(head_chain[0].positions, want[0].positions)
     slab = uniforms.slab(0)
     past = torch.full((batch,), slab.shape[1] - gamma + 1)
     assert extension.chain_plan(past, gamma, slab, tokens)[0] is None  # past it

@@ -269,7 +269,8 @@ def _chain(method: Method, params: Speculative, pair: ModelPair, labels: torch.T
     on_cpu = device.type == "cpu"
     draw_column = cpu_rounds.bound_draw(target_model.config.vocab_size, device, keepdim=True)
     for it in range(num_tokens):
-        planned = _next_round(committed, num_tokens, gamma, labels, tokens, all_rows, steps, uniforms, it)
+        planned = _next_round(committed, num_tokens, gamma, labels, tokens, all_rows, steps, uniforms, it,
+                              draft_inputs=False)
         if planned is None:
             break
         rnd, (u_draft, u_accept, u_residual) = planned

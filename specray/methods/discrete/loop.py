@@ -269,10 +269,11 @@ def _filled(value: int, n: int, device: torch.device) -> torch.Tensor:
 
 
 def _next_round(committed: torch.Tensor, num_tokens: int, gamma: int, labels: torch.Tensor, tokens: torch.Tensor,
-                all_rows: torch.Tensor, steps: torch.Tensor, uniforms: RoundUniforms,
-                step: int) -> tuple[_Round, tuple[torch.Tensor, ...]] | None:
+                all_rows: torch.Tensor, steps: torch.Tensor, uniforms: RoundUniforms, step: int,
+                draft_inputs: bool = True) -> tuple[_Round, tuple[torch.Tensor, ...]] | None:
     """Round ``step``'s rows and where they stand, and their uniforms: draft and accept ``[r, gamma]``, residual
-    ``[r]`` (:class:`RoundUniforms`); None once every row is done."""
+    ``[r]`` (:class:`RoundUniforms`); None once every row is done. ``draft_inputs``: the round's draft GPT calls'
+    inputs too, where the plan's kernel makes them (the EAGLE head's chain builds its own)."""
     room = [num_tokens - 1 - c for c in committed.tolist()]  # the round's one host sync
     active_room = [g for g in room if g >= 0]
     if not active_room:
@@ -285,11 +286,12 @@ def _next_round(committed: torch.Tensor, num_tokens: int, gamma: int, labels: to
                 (num_tokens - 1 - committed).clamp(max=gamma))
     if len(lengths) == committed.shape[0]:
         kernels = cpu_rounds.bookkeeping(committed.device)
-        planned = None if kernels is None else kernels.chain_plan(committed, gamma, uniforms.slab(step), tokens)
+        planned = None if kernels is None else kernels.chain_plan(committed, gamma, uniforms.slab(step),
+                                                                  tokens if draft_inputs else None)
         if planned is not None and planned[0] is not None:  # one call, the same values
-            positions, fed_positions, u_draft, u_accept, u_residual, *draft_inputs = planned
+            positions, fed_positions, u_draft, u_accept, u_residual, *made = planned
             rnd = _Round(all_rows, True, committed, n_drafts, lengths, labels, tokens, positions, fed_positions, top,
-                         tuple(draft_inputs))
+                         tuple(made) if draft_inputs else None)
             return rnd, (u_draft, u_accept, u_residual)
         rnd = _Round(all_rows, True, committed, n_drafts, lengths, labels, tokens, committed[:, None] + steps, None, top)
     else:

@@ -11,10 +11,11 @@
 #include <vector>
 
 // See kernels.h.
-ChainPlan chain_plan(const at::Tensor& committed, int64_t gamma, const at::Tensor& slab, const at::Tensor& tokens) {
-  if (!on_cpu({&committed, &tokens}, at::kLong) || !on_cpu({&slab}, at::kDouble) || committed.dim() != 1 ||
-      slab.dim() != 3 || slab.size(0) != committed.size(0) || slab.size(2) != 3 || tokens.dim() != 2 ||
-      tokens.size(0) != committed.size(0) || gamma < 1) {
+ChainPlan chain_plan(const at::Tensor& committed, int64_t gamma, const at::Tensor& slab,
+                     const std::optional<at::Tensor>& tokens) {
+  if (!on_cpu({&committed}, at::kLong) || !on_cpu({&slab}, at::kDouble) || committed.dim() != 1 || slab.dim() != 3 ||
+      slab.size(0) != committed.size(0) || slab.size(2) != 3 || gamma < 1 ||
+      (tokens && (!on_cpu({&*tokens}, at::kLong) || tokens->dim() != 2 || tokens->size(0) != committed.size(0)))) {
     return {};
   }
   const int64_t rows = committed.size(0);
@@ -45,16 +46,17 @@ ChainPlan chain_plan(const at::Tensor& committed, int64_t gamma, const at::Tenso
     }
     residual[b] = u[b][n[b]][2];
   }
+  if (!tokens) return {positions, fed_positions, u_draft, u_accept, u_residual, {}, {}, {}, {}};
   // The draft calls' inputs: step 0 catches up sequence positions n - 1, n, fed image tokens n - 2, n - 1 (from round
   // 1 on, where n >= 2: in round 0 the class label takes position 0, and first_fed stays undefined); step i >= 1 is
   // fed at position n + i. The later positions and the draft uniforms as [B, 1] columns, each a view of one buffer
   // (two allocations, not one copy each).
   at::Tensor first_fed;
   bool caught_up = true;
-  for (int64_t b = 0; b < rows; ++b) caught_up = caught_up && n[b] >= 2 && n[b] - 1 < tokens.size(1);
+  for (int64_t b = 0; b < rows; ++b) caught_up = caught_up && n[b] >= 2 && n[b] - 1 < tokens->size(1);
   if (caught_up) {
     first_fed = at::empty({rows, 2}, longs);
-    const auto buffer = tokens.accessor<int64_t, 2>();
+    const auto buffer = tokens->accessor<int64_t, 2>();
     int64_t* out = first_fed.data_ptr<int64_t>();
     for (int64_t b = 0; b < rows; ++b) {
       out[2 * b] = buffer[b][n[b] - 2];

@@ -46,13 +46,14 @@ bool move_slots(at::Tensor& storage, const at::Tensor& rows, const at::Tensor& s
 // of specray/methods/discrete/loop.py's torch operations: from the committed lengths n [B], the round's uniforms
 // slab [B, positions, 3] (float64, the streams draft, accept, residual last) and the token buffer tokens [B, T],
 // positions n + i and fed positions n + i - 1 [B, gamma + 1], u_draft and u_accept [B, gamma] (positions
-// n .. n + gamma - 1) and u_residual [B] (position n); and the draft calls' inputs: the first call's positions
-// n - 1, n [B, 2] and tokens (image tokens n - 2, n - 1; undefined unless every n >= 2), the later calls' positions
-// n + i [B, 1] (i = 1 .. gamma - 1) and the draft uniforms by column [B, 1]. Undefined tensors where the call is not
-// one it serves.
+// n .. n + gamma - 1) and u_residual [B] (position n); and, given tokens, the draft calls' inputs: the first call's
+// positions n - 1, n [B, 2] and tokens (image tokens n - 2, n - 1; undefined unless every n >= 2), the later calls'
+// positions n + i [B, 1] (i = 1 .. gamma - 1) and the draft uniforms by column [B, 1] (without tokens: undefined and
+// empty). Undefined tensors where the call is not one it serves.
 using ChainPlan = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
                              std::vector<at::Tensor>, std::vector<at::Tensor>>;
-ChainPlan chain_plan(const at::Tensor& committed, int64_t gamma, const at::Tensor& slab, const at::Tensor& tokens);
+ChainPlan chain_plan(const at::Tensor& committed, int64_t gamma, const at::Tensor& slab,
+                     const std::optional<at::Tensor>& tokens);
 
 // Its verify call's inputs: the drafts draft_columns (gamma of [B, 1], int64) and their laws (gamma of [B, V]) stacked
 // to [B, gamma] and [B, gamma, V], the drafts written into tokens [B, T] at positions [B, gamma + 1]'s first gamma,
