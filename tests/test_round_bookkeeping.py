@@ -324,7 +324,7 @@ def test_the_chain_arms_give_the_same_samples_with_and_without_the_kernels(exten
     pair = load_pair("digits-gpt-target", draft, "cpu")
     ids = torch.arange(12) + 40
     names = (("chain_plan", "chain_verify_inputs", "chain_commit") if draft == "digits-gpt-draft" else
-             ("chain_plan", "tree_masks"))
+             ("chain_plan", "chain_verify_inputs", "tree_masks"))
     served = {name: [] for name in names}
     for name in names:
         real = getattr(extension, name)

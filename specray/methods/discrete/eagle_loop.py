@@ -47,7 +47,7 @@ from specray import rng
 from specray.families import Method
 from specray.methods.common import RoundTally
 from specray.methods.discrete import cpu_rounds, cpu_tree_rounds
-from specray.methods.discrete.loop import RoundUniforms, _decide, _next_round
+from specray.methods.discrete.loop import RoundUniforms, _decide, _next_round, _verify_inputs
 from specray.methods.discrete.params import Sampling, Speculative
 from specray.methods.discrete.processing import model_softmax, process_with
 from specray.methods.discrete.rules import RuleParams, _rows_column, rule_params_for_pair
@@ -284,17 +284,16 @@ def _chain(method: Method, params: Speculative, pair: ModelPair, labels: torch.T
         # Per-step columns split off once, the laws and drafts stacked once (fewer ops than indexing).
         step_positions = positions[:, 1:gamma, None].unbind(1)  # [rows, 1] columns, one op (split costs more)
         step_visible = head_visible[:, 1:gamma, None].unbind(1)  # [rows, 1, span]
-        qs, ds = [], []  # the laws [r, 1, V] and predictions [rows, 1, D] as the head gives them: no reshaping
+        laws, ds = [], []  # the laws [r, V] (views of the head's [r, 1, V]) and the drafts [r, 1], by step
         for i, u_step in enumerate(u_draft[:, :, None].unbind(1)):
             if i:
                 at = step_positions[i - 1]
                 q, predicted = head.probs(rnd.idx, predicted, ds[-1], at, at, step_visible[i - 1], paired=True)
-            qs.append(q)
-            ds.append(draw_column(q[:, 0], u_step))  # [r, 1]: the next step's fed column
-        drafts, Q = torch.cat(ds, dim=1), torch.cat(qs, dim=1)
-        rnd.tokens.scatter_(1, rnd.positions[:, :gamma], drafts)
-        P, hidden = target.probs(rnd.idx, rnd.tokens.gather(1, rnd.fed_positions), positions, positions, visible,
-                                 paired=True)
+            laws.append(q[:, 0])
+            ds.append(draw_column(laws[-1], u_step))  # [r, 1]: the next step's fed column
+        # the drafts and laws stacked, the drafts written into the token buffer, the verify call's tokens (loop's)
+        drafts, Q, fed = _verify_inputs(rnd, ds, laws, gamma)
+        P, hidden = target.probs(rnd.idx, fed, positions, positions, visible, paired=True)
         target.keep_features(rnd.idx, positions, hidden, paired=True)
         n_acc, next_token = _decide(verifier, rnd, P, Q, drafts, u_accept, u_residual)
         _commit_tokens(rnd.idx, rnd.full, rnd.n, n_acc, next_token, rnd.tokens, tokens, committed)
