@@ -76,12 +76,12 @@ MODES = ((False, False, False), (False, True, False), (True, True, False), (True
 
 
 def random_commits(generator: torch.Generator) -> list[tuple]:
-    """Full rounds of an affine chain (K = 20 random steps) to compare the kernel with the tensor path on: 1 row of
-    1 x 8 x 8 elements, 3 of 5, 16 of 1 and 16 of 1 x 8 x 8; float32 and float64 states; 1 and 7 slots; every
-    :data:`MODES`; one draft eps per row and one per slot, and with and without the Free drafter's eps, in turn.
-    Each row's draft eps is its target eps plus noise of its own scale, log-uniform from 1e-9 to 3, so rows accept
-    every slot, some or none; in every fourth round the first row's is its target eps (identical kernels). Each entry is ``(chain, round, (coef, eps_draft, E, xi, eta, Y, residual draws),
-    how)``."""
+    """Full rounds of an affine chain (K = 20 random steps) to compare the kernel with the tensor path on: 1 row of 1 x
+    8 x 8 elements, 3 of 5, 16 of 1 and 16 of 1 x 8 x 8; float32 and float64 states; 1 and 7 slots; every :data:`MODES`;
+    one draft eps per row and one per slot, and with and without the Free drafter's eps, in turn. Each row's draft eps
+    is its target eps plus noise of its own scale, log-uniform from 1e-9 to 3, so rows accept every slot, some or none;
+    in every fourth round the first row's is its target eps (identical kernels). Each entry is ``(chain, round, (coef,
+    eps_draft, E, xi, eta, Y, residual draws), how)``."""
     from specray.methods.diffusion import loop
 
     K, commits = 20, []
