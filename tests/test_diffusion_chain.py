@@ -201,21 +201,59 @@ def test_batched_equals_single_rows() -> None:
 
 def test_round_slots_from_the_host_are_the_devices() -> None:
     """A CPU round builds its block lengths, slot steps, drafted slots and coefficients from the host's copy of the
-    steps; a GPU round from the device's. Both give the same tensors, in a full round and a ragged one (K = 12,
-    gamma 5, random tables, seed 6), the coefficients contiguous as the kernels take them."""
+    steps, or by one kernel call where every batch row drafts gamma steps (its constant tensors made once); a GPU
+    round from the device's steps. All give the same tensors, in full rounds (the last one's rows ending at K) and
+    ragged ones, of every batch row and of some (K = 12, gamma 5, random tables, seed 6), the coefficients contiguous
+    as the kernels take them. The kernel refuses a ragged round."""
     import numpy as np
 
-    from specray.methods.diffusion.loop import ChainStats, _slots_from_host, _slots_on_device
+    from specray.methods.diffusion import cpu_slots
+    from specray.methods.diffusion.loop import ChainStats, _full_blocks, _full_round, _new_round, _slots_on_device
 
     tables = torch.rand(3, K, dtype=torch.float64, generator=torch.Generator().manual_seed(6))
-    for steps in ([0, 3, 5, 7], [2, 8, 11, 10]):
-        kk_host = np.array(steps)
-        g_host = np.minimum(5, K - kk_host)
-        host = _slots_from_host(kk_host, g_host, int(g_host.max()), tables)
-        device = _slots_on_device(torch.tensor(steps), int(g_host.max()), 5, tables, ChainStats(4, 5, K))
-        for a, b in zip(host, device, strict=True):
-            assert a.dtype == b.dtype and torch.equal(a, b)
-        assert host[3].is_contiguous()
+    all_rows = torch.arange(6)
+    kernel = cpu_slots._kernel(torch.zeros(1, dtype=torch.int64)) is not None
+    for steps, full in (([0, 3, 5, 7], True), ([7, 7, 6, 1], True), ([2, 8, 11, 10], False), ([0, 8, 3, 3], False)):
+        g_host = np.minimum(5, K - np.array(steps))
+        G = int(g_host.max())
+        device = _slots_on_device(torch.tensor(steps), G, 5, tables, ChainStats(4, 5, K))
+        rounds = []
+        for act in (None, torch.tensor([0, 2, 3, 5])):
+            k = torch.tensor(steps) if act is None else torch.zeros(6, dtype=torch.int64).index_put_(
+                (act,), torch.tensor(steps))
+            rows = all_rows[:4] if act is None else all_rows
+            rounds.append(_new_round(3, act, rows, k, np.array(steps), 5, False, tables, ChainStats(4, 5, K)))
+        by_kernel = _full_round(3, all_rows[:4], torch.tensor(steps), 5, False, tables)
+        assert (by_kernel is not None) == (full and kernel)
+        if by_kernel is not None:
+            assert by_kernel.valid is _full_blocks(4, 5)[2]  # made once
+            rounds.append(by_kernel)
+        for rnd, act in zip(rounds, (None, torch.tensor([0, 2, 3, 5]), None)):
+            for a, b in zip((rnd.g, rnd.steps, rnd.valid, rnd.coef), device, strict=True):
+                assert a.dtype == b.dtype and torch.equal(a, b)
+            assert rnd.coef.is_contiguous() and (rnd.G, rnd.ragged) == (G, int(g_host.min()) < G)
+            assert np.array_equal(rnd.g_host, g_host) and torch.equal(rnd.kk, torch.tensor(steps))
+            assert torch.equal(rnd.row_index, torch.arange(4))
+            assert torch.equal(rnd.label_rows, torch.arange(4) if act is None else act)
+    assert not _full_blocks(4, 5)[0].flags.writeable
+
+
+@pytest.mark.parametrize("drafter", ["frozen", "free", "model"])
+def test_target_calls_a_row(drafter: str) -> None:
+    """A row's target calls: a Frozen round makes two (its first state's call, then the verify call) where it drafts
+    more than one step, else one; a Free row's first round is a Frozen round and the later ones make one, as do the
+    model drafter's (K = 12, gamma 5, 4 and 1; 6 rows, seed 3, rows finishing in different rounds)."""
+    x0, ids = start_states(6)
+    for gamma in (5, 4, 1):
+        _, st = speculative_chain(make_chain(), x0, ids, seed=3, drafter=drafter, verification="block",
+                                  rejection="residual", gamma=gamma)
+        if gamma == 1:  # a single step a round: no verify call after a Frozen one
+            assert torch.equal(st.target_calls, st.rounds)
+        elif drafter == "frozen":  # every round 2, but the last one where it has a single step left
+            assert torch.all((st.target_calls >= 2 * st.rounds - 1) & (st.target_calls <= 2 * st.rounds))
+            assert torch.any(st.target_calls == 2 * st.rounds)
+        else:
+            assert torch.equal(st.target_calls, st.rounds + (drafter == "free"))
 
 
 @pytest.mark.parametrize("verification", ["token", "block"])

@@ -8,8 +8,9 @@ masks, uniforms, the draft and verify calls' inputs and commits: ``cpu_rounds.bo
 draws (:mod:`~specray.methods.diffusion.cpu_draws`), log ratios (:mod:`~specray.methods.diffusion.cpu_ratios`),
 drafted states (:mod:`~specray.methods.diffusion.cpu_draft`), verdicts (:mod:`~specray.methods.diffusion.rules`) and
 residual draws (:mod:`~specray.methods.diffusion.residual`, these two where a process has loaded it already), the
-work after a diffusion round's verify call in one call (:mod:`~specray.methods.diffusion.cpu_commit`), and the hash
-of :mod:`specray.rng` likewise, one extension.
+work after a diffusion round's verify call in one call (:mod:`~specray.methods.diffusion.cpu_commit`), a diffusion
+round's slots (:mod:`~specray.methods.diffusion.cpu_slots`), and the hash of :mod:`specray.rng` likewise, one
+extension.
 
 It is built on first use with torch's C++ extension tools (g++ and ninja; about 45 s on 2 cores, then cached
 under ``~/.cache/torch_extensions``, one folder per Python environment). Where it cannot be built (no AVX2, no compiler), or with
@@ -38,7 +39,8 @@ SOURCES = tuple(CSRC / name for name in ("bindings.cpp", "decode_attention.cpp",
                                          "rounds.cpp", "tree_rounds.cpp", "chain_bookkeeping.cpp",
                                          "tree_bookkeeping.cpp", "gaussian_draft.cpp", "splitmix.cpp",
                                          "residual_draw.cpp", "verdicts.cpp", "cached_layers.cpp", "round_draws.cpp",
-                                         "round_ratios.cpp", "round_commit.cpp"))
+                                         "round_ratios.cpp", "round_commit.cpp",
+                                         "round_slots.cpp"))
 # -ffp-contract=off: only the fused multiply-adds the attention kernel writes out may fuse (its sums must
 # follow the BLAS's order); the AVX2 defines select ATen's 8-lane vector code, whose exp it reproduces.
 CFLAGS = ["-O2", "-mavx2", "-mfma", "-ffp-contract=off", "-DCPU_CAPABILITY_AVX2", "-DCPU_CAPABILITY=AVX2"]

@@ -38,7 +38,7 @@ import torch
 from specray import rng
 from specray.families import Method, resolve
 from specray.methods.common import GenerationResult, RoundTally, SampleStats, bind_conditions
-from specray.methods.diffusion import cpu_commit, cpu_draft, cpu_draws, cpu_ratios
+from specray.methods.diffusion import cpu_commit, cpu_draft, cpu_draws, cpu_ratios, cpu_slots
 from specray.methods.diffusion.params import Common, Speculative
 from specray.methods.diffusion.residual import DELTA_MIN, KERNEL_CONSTANTS, reflect, sample_residual
 from specray.methods.diffusion.rules import Verdict, block_verify, log_ratio, token_verify
@@ -89,6 +89,9 @@ class ChainStats(RoundTally):
         super().__init__(batch, gamma, num_steps, device)
         self.states_evaluated = torch.zeros(batch, dtype=torch.int64, device=device)
         self.expected_advance = torch.zeros(batch, dtype=torch.float64, device=device)
+        # The target calls of the rounds in which every row drafted a full block, the same for every row: counted
+        # on the host and added once, after the last round.
+        self.full_round_target_calls = 0
 
 
 def _coef(table: torch.Tensor, k: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -165,7 +168,8 @@ def speculative_chain(
     Every row takes part in every round until it is done, so a row's round counter is the loop's.
     The host keeps its own copy of every row's step, updated from the round's one read of the
     device (the accepted counts ``tau``, which the commit needs): the active rows, block lengths and
-    call shapes of the next round follow from it without waiting for the device again.
+    call shapes of the next round follow from it without waiting for the device again. On a CPU the
+    steps are on the host already, and a round of every row with gamma steps left is one kernel call.
     """
     _check("drafter", drafter, DRAFTERS)
     _check("verification", verification, VERIFICATIONS)
@@ -185,16 +189,21 @@ def speculative_chain(
     keys = _StreamKeys(seed, sample_ids, residual=rejection == "residual")
     tables = torch.stack([chain.A, chain.B, chain.sigma])  # [3, K], gathered once per round
     all_rows = torch.arange(batch, device=device)
-    k_host = np.zeros(batch, dtype=np.int64)
-    active = np.arange(0)
+    k_host = np.zeros(batch, dtype=np.int64)  # a GPU's steps on the host; a CPU's are k's own memory
+    active, act = np.arange(0), None
     for index in itertools.count():
-        was_active, active = active, np.flatnonzero(k_host < K)
-        if active.size == 0:
-            break
-        if active.size != was_active.size:  # rows only finish: the round's batch rows, rebuilt when some did
-            act = None if active.size == batch else _on(device, active)
         frozen = drafter == "frozen" or (drafter == "free" and index == 0)  # every row is new in round 0
-        rnd = _new_round(index, act, all_rows, k, k_host[active], gamma, frozen, tables, stats)
+        # every row active with gamma steps left, the common round: on a CPU its slots in one call
+        rnd = _full_round(index, all_rows, k, gamma, frozen, tables) if act is None else None
+        if rnd is None:
+            if k.is_cpu:
+                k_host = k.numpy()
+            was_active, active = active, np.flatnonzero(k_host < K)
+            if active.size == 0:
+                break
+            if active.size != was_active.size:  # rows only finish: the round's batch rows, rebuilt when some did
+                act = None if active.size == batch else _on(device, active)
+            rnd = _new_round(index, act, all_rows, k, k_host[active], gamma, frozen, tables, stats)
         row_stale = stale if stale is None else _rows(stale, act)
         x_new, stale_new, k_new, tau_host = _round(chain, rnd, _rows(x, act), row_stale, keys, stats, drafter,
                                                    verification, residual_alpha)
@@ -204,7 +213,9 @@ def speculative_chain(
             x[act], k[act] = x_new, k_new
             if stale is not None:
                 stale[act] = stale_new
-        k_host[active] += np.where(tau_host < rnd.g_host, tau_host + 1, rnd.g_host)
+        if not k.is_cpu:
+            k_host[active] += np.where(tau_host < rnd.g_host, tau_host + 1, rnd.g_host)
+    stats.add_calls(None, target=stats.full_round_target_calls)
     stats.flush()
     # A round evaluates every drafted state with the target (the Frozen call the first, the verify call
     # the rest), and the model drafter makes one call per drafted state.
@@ -286,6 +297,30 @@ def _new_round(index: int, act: torch.Tensor | None, all_rows: torch.Tensor, k: 
                   frozen=frozen)
 
 
+def _full_round(index: int, all_rows: torch.Tensor, k: torch.Tensor, gamma: int, frozen: bool,
+                tables: torch.Tensor) -> _Round | None:
+    """Round ``index`` of every batch row, at steps ``k``, where each has gamma steps or more left, by one kernel call
+    (:func:`cpu_slots.full_round_slots`, :func:`_new_round`'s values); None where it is not such a round, or the
+    kernel does not serve it."""
+    slots = cpu_slots.full_round_slots(k, gamma, tables)
+    if slots is None:
+        return None
+    g_host, g, valid = _full_blocks(k.shape[0], gamma)
+    return _Round(index=index, act=None, label_rows=all_rows, row_index=all_rows, kk=k, g=g, g_host=g_host, G=gamma,
+                  ragged=False, steps=slots[0], valid=valid, coef=slots[1], frozen=frozen)
+
+
+@functools.lru_cache(maxsize=64)
+def _full_blocks(n: int, gamma: int) -> tuple[np.ndarray, torch.Tensor, torch.Tensor]:
+    """A CPU round's block lengths (host and tensor) and drafted slots where each of its ``n`` rows drafts ``gamma``
+    steps: the same in every such round of every run, so made once and only read."""
+    g_host = np.full(n, gamma, dtype=np.int64)
+    with torch.inference_mode(False):  # plain tensors, usable in and out of inference mode
+        g, valid = torch.from_numpy(g_host), torch.ones(n, gamma, dtype=torch.bool)
+    g_host.setflags(write=False)
+    return g_host, g, valid
+
+
 def _slots_from_host(kk_host: np.ndarray, g_host: np.ndarray, G: int, tables: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """A CPU round's block lengths ``g [n]``, slot steps ``steps [n, G]``, drafted slots ``valid [n, G]`` and
     coefficients ``coef [3, n, G]`` from the rows' steps and block lengths on the host."""
@@ -335,11 +370,11 @@ def _round(chain: GaussianChain, rnd: _Round, y0: torch.Tensor, stale: torch.Ten
 
     # block slot j is step kk + j; tau <= g, so the accepted slots lie within the drafted ones
     stats.observe_prefix(rnd.act, rnd.steps, rnd.g, done.tau)
-    if not rnd.frozen:
-        target_calls = 1
-    else:  # the Frozen call, then verify where the block has more than one slot
-        target_calls = (rnd.g > 1).to(torch.int64) + 1 if rnd.ragged else (2 if rnd.G > 1 else 1)
-    stats.add_calls(rnd.act, target=target_calls)
+    # the Frozen call, then verify where the block has more than one slot
+    if rnd.act is None and not rnd.ragged:  # every row's count alike: a host integer, added after the last round
+        stats.full_round_target_calls += 2 if rnd.frozen and rnd.G > 1 else 1
+    else:
+        stats.add_calls(rnd.act, target=(rnd.g > 1).to(torch.int64) + 1 if rnd.frozen else 1)
     _add(stats.expected_advance, rnd.act, done.expected_advance)
     return done.x, done.stale, done.k, done.tau_host
 

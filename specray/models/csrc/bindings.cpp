@@ -46,5 +46,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("reflected_states", &reflected_states, "a diffusion round's reflected states with the values of torch's operations");
   m.def("token_verdict", &token_verdict, "a diffusion round's token verification with the values of torch's operations");
   m.def("block_verdict", &block_verdict, "a diffusion round's block verification with the values of torch's operations");
+  m.def("full_round_slots", &full_round_slots, "a diffusion round's slot steps and coefficients, every row drafting "
+        "gamma steps");
   m.def("round_commit", &round_commit, "a diffusion round's ratios, verdict, new states and next steps in one call");
 }

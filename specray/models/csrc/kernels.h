@@ -278,6 +278,12 @@ at::Tensor residual_states(const at::Tensor& x, const at::Tensor& eps, const at:
 at::Tensor reflected_states(const at::Tensor& x, const at::Tensor& eps, const at::Tensor& coef, const at::Tensor& Delta,
                             const at::Tensor& xi, double delta_min);
 
+// A diffusion round's slots where every row drafts gamma steps (round_slots.cpp): from the rows' steps k [n] (int64)
+// and the chain's tables [3, K] (A, B, sigma; float64), each slot's step k + j [n, gamma] and its coefficients
+// [3, n, gamma], the values of specray/methods/diffusion/loop.py's _slots_from_host. Undefined tensors where a row
+// has fewer than gamma steps left (or is done), or the call is not one it serves.
+std::tuple<at::Tensor, at::Tensor> full_round_slots(const at::Tensor& k, int64_t gamma, const at::Tensor& tables);
+
 // A full round's work after its verify call on an affine chain (round_commit.cpp): round_ratios, then token_verdict or
 // block_verdict (block), then the cut rows' new states by residual_states (u [n, G] and zeta [n, G, ...] given, the
 // residual sampler's draws; log alpha 0 where alpha_one) or reflected_states, from round_ratios' inputs, the coins eta
