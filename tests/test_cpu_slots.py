@@ -36,7 +36,7 @@ def test_kernel_gives_the_loops_values(kernel, n: int, gamma: int, K: int) -> No
 
 def test_rounds_it_does_not_serve_are_refused(kernel) -> None:
     """A row with fewer than gamma steps left, a done row, a negative step, float32 tables, int32 steps, strided
-    steps, tables of two rows, gamma 0: None, and the loop's own path runs."""
+    steps, tables of two rows, gamma 0: None (the loop's numpy path serves those rounds)."""
     tables = torch.rand(3, 12, dtype=torch.float64)
     k = torch.tensor([0, 3, 7])
     assert cpu_slots.full_round_slots(k, 5, tables) is not None

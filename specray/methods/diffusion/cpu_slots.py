@@ -2,8 +2,8 @@
 
 Between two rounds :func:`~specray.methods.diffusion.loop.speculative_chain` finds the rows still active from the
 host's copy of their steps, and :func:`~specray.methods.diffusion.loop._new_round` their block lengths, every slot's
-step and its coefficients: a dozen numpy calls. In the loop, after a model call, each costs some ten times what it
-costs back to back, 0.1–0.2 ms a round at batch 1 in all. In the common round (every row active with gamma steps or more
+step and its coefficients: a dozen numpy calls, about 35 µs back to back but 0.11–0.23 ms a round in the loop at batch
+1, where each pays for the model call before it. In the common round (every row active with gamma steps or more
 left) ``csrc/round_slots.cpp`` gives the steps and coefficients in one call: integer additions and copies of the
 tables' values, so they are numpy's by construction; the kernel still serves only after matching that path in the
 process (:func:`_kernel_matches`). Where the extension is off or not built (:mod:`~specray.models.cpu_kernels`), or
