@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from specray import rng
 from specray.methods.discrete import cpu_rounds, eagle_loop, loop, tree_rules
 from specray.methods.discrete.loop import generate_tokens
 from specray.methods.discrete.params import SD
@@ -73,9 +74,11 @@ def test_the_round_masks_refuse_what_they_do_not_serve(extension):
 @pytest.mark.parametrize("name", list(TREES))
 def test_the_round_uniforms_are_torchs(extension, monkeypatch, name):
     """Each node's draft and accept uniforms and the residual's, for the whole batch and for some of its rows, at
-    several rounds (two chunks of them) and committed lengths: the values of torch's indexing; seed 2."""
+    several rounds (two chunks of them) and committed lengths: the values of torch's indexing, where the kernel's plan
+    made no chunk of uniforms; seed 2."""
     batch = 5
     plan = _plan(TREES[name], batch, num_positions=64 + TREES[name].depth + 1)
+    torch_plan = _plan(TREES[name], batch, num_positions=64 + TREES[name].depth + 1)
     generator = torch.Generator().manual_seed(2)
     for step in (0, 3, plan.chunk + 1):
         for idx in (torch.arange(batch), torch.tensor([1, 4]), torch.tensor([3])):
@@ -83,12 +86,33 @@ def test_the_round_uniforms_are_torchs(extension, monkeypatch, name):
             got = plan.uniforms(step, idx, n)
             with monkeypatch.context() as patch:
                 _torch_only(patch)
-                want = plan.uniforms(step, idx, n)
+                want = torch_plan.uniforms(step, idx, n)
             for g, w in zip(got, want):
                 assert g.dtype == w.dtype and torch.equal(g, w)
-    slab = plan.chunks[0].select(2, 0)
-    past = torch.tensor([slab.shape[1]])  # a committed length past the positions: refused
-    assert extension.tree_uniforms(slab, torch.tensor([0]), past, plan.offset, plan.rank)[0] is None
+    assert not plan.chunks and torch_plan.chunks
+    refused = ((plan.hashes, 0, torch.tensor([batch]), torch.tensor([3])),  # a row past the batch
+               (plan.hashes, 0, torch.tensor([0]), torch.tensor([-1])),  # a negative committed length
+               (plan.hashes[:, :2], 0, torch.tensor([0]), torch.tensor([3])))  # two streams' hashes
+    for args in refused:
+        assert extension.tree_uniforms(*args, plan.offset, plan.rank)[0] is None
+
+
+def test_the_tree_uniforms_are_rngs(extension):
+    """The kernel's uniforms of a tree's nodes are ``rng.uniform``'s at each node's keys (sample, stream, position
+    n + depth - 1, round, index the node's rank; the residual at n, index 0), key by key: rounds 0 and 70 and rows 4
+    and 1 of 5 samples at committed lengths 9 and 30 (seed 4)."""
+    tree, ids = TREES["custom"], torch.arange(5) + 9
+    plan = _plan(tree, 5)
+    for step, idx, n in ((0, torch.tensor([4, 1]), torch.tensor([9, 30])), (70, torch.tensor([1]), torch.tensor([9]))):
+        draft, accept, residual = extension.tree_uniforms(plan.hashes, step, idx, n, plan.offset, plan.rank)
+        for b, (row, length) in enumerate(zip(idx.tolist(), n.tolist())):
+            for v in range(tree.num_nodes + 2):
+                position, rank = length + int(plan.offset[v]), int(plan.rank[v])
+                for stream, got in (("draft", draft), ("accept", accept)):
+                    if v < got.shape[1]:
+                        want = rng.uniform(4, ids[row], stream, position=position, step=step, shape=(plan.width,))
+                        assert got[b, v] == want[rank]
+            assert residual[b] == rng.uniform(4, ids[row], "residual", position=length, step=step)
 
 
 def _commit_case(tree: StaticTree, guided: bool, generator: torch.Generator):
@@ -195,10 +219,35 @@ def test_the_chain_round_plan_is_torchs(extension, monkeypatch, batch, gamma):
         head_chain = loop._next_round(committed, num_tokens, gamma, labels, tokens, all_rows, steps, uniforms, step,
                                       draft_inputs=False)  # as the EAGLE head's chain plans: no draft inputs
         assert head_chain[0].draft_inputs is None and torch.equal(head_chain[0].positions, want[0].positions)
-    slab = uniforms.slab(0)
-    past = torch.full((batch,), slab.shape[1] - gamma + 1)
-    assert extension.chain_plan(past, gamma, slab, tokens)[0] is None  # past it
-    assert extension.chain_plan(committed, gamma, slab, tokens[:, 0])[0] is None  # a buffer of another shape
+    hashes = uniforms.hashes
+    assert extension.chain_plan(committed - num_tokens, gamma, hashes, 0, tokens)[0] is None  # negative lengths
+    assert extension.chain_plan(committed, gamma, hashes[:, :2], 0, tokens)[0] is None  # two streams' hashes
+    assert extension.chain_plan(committed, gamma, hashes, 0, tokens[:, 0])[0] is None  # a buffer of another shape
+
+
+@pytest.mark.parametrize("batch", [1, 5])
+def test_the_round_uniforms_are_torchs_and_rngs(extension, monkeypatch, batch):
+    """A round's uniforms at its rows' positions, by the kernel (``round_uniforms``): the values of torch's path
+    (the slab's, gathered) for every row and for some, at rounds 0, 9 and 70 (three chunks of rounds), with no
+    slab made, and ``rng.uniform``'s key by key; rows past the batch and negative positions refused; seed 6."""
+    ids, generator = torch.arange(batch) + 3, torch.Generator().manual_seed(6)
+    uniforms, torch_side = loop.RoundUniforms(7, ids, 70), loop.RoundUniforms(7, ids, 70)
+    for step in (0, 9, 70):
+        for idx in (torch.arange(batch), torch.tensor([batch - 1])):
+            positions = torch.randint(0, 66, (idx.shape[0], 4), generator=generator)
+            got = uniforms.round(step, idx, positions)
+            with monkeypatch.context() as patch:
+                _torch_only(patch)
+                want = torch_side.round(step, idx, positions)
+            assert got.dtype == want.dtype == torch.float64 and torch.equal(got, want)
+            row, i = idx.shape[0] - 1, 3
+            for s, stream in enumerate(loop.RoundUniforms.STREAMS):
+                key = rng.uniform(7, ids[idx[row]], stream, position=positions[row, i], step=step)
+                assert got[row, i, s] == key
+    assert not uniforms.chunks and torch_side.chunks  # the kernel hashed its keys alone
+    assert extension.round_uniforms(uniforms.hashes, torch.tensor([batch]), torch.zeros(1, 2, dtype=torch.int64),
+                                    0) is None
+    assert extension.round_uniforms(uniforms.hashes, torch.tensor([0]), torch.tensor([[3, -1]]), 0) is None
 
 
 @pytest.mark.parametrize("batch", [1, 3, 32])
@@ -261,6 +310,28 @@ def test_the_chain_round_feeds_the_plans_draft_inputs(extension, monkeypatch):
     assert shifted and not torch.equal(wrong, right)
 
 
+@pytest.mark.parametrize("kernel", ["chain_plan", "round_uniforms"])
+def test_the_chain_round_draws_the_kernels_uniforms(extension, monkeypatch, kernel):
+    """Negative control for the uniforms the kernels hash: with every round's uniforms keyed by the next round's
+    index (``chain_plan``'s in the rounds every row takes part in, ``round_uniforms``' in the tail rounds), an sd arm's
+    samples differ from those of the kernels as they are (12 samples at batch 12, gamma 4, CFG 1.5, seed 3), so the
+    loop draws with what they hash."""
+    if not get_preset("digits-gpt-draft").weights_path.exists():
+        pytest.skip("digits-gpt-draft not trained")
+    pair = load_pair("digits-gpt-target", "digits-gpt-draft", "cpu")
+    ids = torch.arange(12) + 40
+    right = generate_tokens("sd", {"gamma": 4, "cfg_scale": 1.5}, pair, ids % 10, ids, 3)[0]
+    real, called = getattr(extension, kernel), []
+
+    def next_round(*args):  # the round's index is argument 3 of both: (committed, gamma, hashes, step, tokens) and
+        called.append(True)  # (hashes, idx, positions, step)
+        return real(*args[:3], args[3] + 1, *args[4:])
+
+    monkeypatch.setattr(extension, kernel, next_round)
+    wrong = generate_tokens("sd", {"gamma": 4, "cfg_scale": 1.5}, pair, ids % 10, ids, 3)[0]
+    assert called and not torch.equal(wrong, right)
+
+
 def _chain_streams(guided: bool, batch: int):
     pair = load_pair("digits-gpt-target", "digits-gpt-draft", "cpu")
     sampling = SD(cfg_scale=1.5 if guided else 1.0)
@@ -317,14 +388,14 @@ def test_the_chain_round_commit_refuses_what_it_does_not_serve(extension):
 def test_the_chain_arms_give_the_same_samples_with_and_without_the_kernels(extension, monkeypatch, method, params,
                                                                          draft):
     """GPT-draft and head-chain arms with the bookkeeping kernels (each serving) against torch's operations: 12 samples
-    at batch 12 (rows finish in different rounds: the tail rounds run on fewer rows, by torch's operations), CFG 1.5
-    unless set, seed 3; equal tokens and statistics."""
+    at batch 12 (rows finish in different rounds: the tail rounds run on fewer rows, by torch's operations but for
+    their uniforms, ``round_uniforms``'), CFG 1.5 unless set, seed 3; equal tokens and statistics."""
     if not get_preset(draft).weights_path.exists():
         pytest.skip(f"{draft} not trained")
     pair = load_pair("digits-gpt-target", draft, "cpu")
     ids = torch.arange(12) + 40
-    names = (("chain_plan", "chain_verify_inputs", "chain_commit") if draft == "digits-gpt-draft" else
-             ("chain_plan", "chain_verify_inputs", "tree_masks"))
+    names = (("chain_plan", "chain_verify_inputs", "chain_commit", "round_uniforms") if draft == "digits-gpt-draft"
+             else ("chain_plan", "chain_verify_inputs", "tree_masks", "round_uniforms"))
     served = {name: [] for name in names}
     for name in names:
         real = getattr(extension, name)
@@ -332,7 +403,8 @@ def test_the_chain_arms_give_the_same_samples_with_and_without_the_kernels(exten
                             served[name][-1])
     with_kernels = generate_tokens(method, {"cfg_scale": 1.5, **params}, pair, ids % 10, ids, 3)
     for name in names:
-        assert served[name] and all(out is not False and (not isinstance(out, tuple) or out[0] is not None)
+        assert served[name] and all(out is not None and out is not False
+                                    and (not isinstance(out, tuple) or out[0] is not None)
                                     for out in served[name]), name
     _torch_only(monkeypatch)
     for calls in served.values():

@@ -339,8 +339,10 @@ class _TreePlan:
 
     Uniforms: node ``v`` at depth ``t`` draws from streams "draft" / "accept" at position
     ``n_b + t - 1``, index = its rank among the nodes of depth ``t``; the residual at position ``n_b``.
-    Like :class:`~specray.methods.discrete.loop.RoundUniforms` they are computed for every position and
-    a chunk of rounds at once (the same values as one ``rng.uniform`` call per key).
+    As :class:`~specray.methods.discrete.loop.RoundUniforms` makes them, on a CPU a round hashes its nodes'
+    keys alone (``tree_uniforms``, from each sample's stream hashes made once), and elsewhere torch's
+    operations make them for every position and a chunk of rounds at once (the same values as one
+    ``rng.uniform`` call per key either way).
     """
 
     def __init__(self, tree: StaticTree, device: torch.device, seed: int, sample_ids: torch.Tensor,
@@ -357,17 +359,22 @@ class _TreePlan:
         self.rank = torch.tensor(ranks + [0], device=device)
         self.width = max(seen.values())
         self.seed, self.sample_ids = seed, sample_ids
+        self.hashes = RoundUniforms.stream_hashes(seed, sample_ids)  # the kernel's keys start from them
         self.positions = torch.arange(num_positions, device=device)
         self.chunk = max(4, min(32, 256 // max(1, sample_ids.shape[0])))
         self.chunks: list[torch.Tensor] = []  # [B, positions, chunk, width, 3] float64
         self._blank = self._new_nodes(sample_ids.shape[0])  # blank_nodes' template for the whole batch
 
-    STREAMS = ("draft", "accept", "residual")
+    STREAMS = RoundUniforms.STREAMS
 
     def uniforms(self, step: int, idx: torch.Tensor, n: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Uniforms of rows ``idx``: streams draft ``[r, N+2]`` (the last column the spare one's, a copy of
         node 0's) and accept ``[r, N+1]`` per node, and the residual ``[r]`` (the root's keys, index 0: a draw
         without an index is keyed as index 0)."""
+        kernels = cpu_rounds.bookkeeping(idx.device)
+        fast = None if kernels is None else kernels.tree_uniforms(self.hashes, step, idx, n, self.offset, self.rank)
+        if fast is not None and fast[0] is not None:  # one call: the same values, contiguous
+            return fast
         while len(self.chunks) <= step // self.chunk:
             first = len(self.chunks) * self.chunk
             steps = torch.arange(first, first + self.chunk, device=self.positions.device)[None, None, :]
@@ -375,10 +382,6 @@ class _TreePlan:
                                     position=self.positions[None, :, None], step=steps, shape=(self.width,))
             self.chunks.append(u.transpose(-2, -1))  # streams last: one index below takes all three
         slab = self.chunks[step // self.chunk].select(2, step % self.chunk)  # [B, positions, width, 3]
-        kernels = cpu_rounds.bookkeeping(slab.device)
-        fast = None if kernels is None else kernels.tree_uniforms(slab, idx, n, self.offset, self.rank)
-        if fast is not None and fast[0] is not None:  # one call: the same values, contiguous
-            return fast
         if idx.shape[0] != slab.shape[0]:
             slab = slab[idx]
         per_node = slab[_rows_column(idx.shape[0], idx.device), n[:, None] + self.offset[None], self.rank]

@@ -34,9 +34,9 @@ COOL-SD in a row's shortened last round (``g_b < gamma``) uses the first ``g_b``
 multipliers of the full-gamma schedule (mu is fixed from gamma when left None).
 
 Performance (the models are tiny, so per-op dispatch dominates; none of this changes a bit
-of the output): the uniforms of a run come from a few large calls (:class:`RoundUniforms`, the
-three streams in one hash pass of ``rng.uniform_streams``; target_only's in one ``rng.uniform`` call)
-instead of one call per step and stream;
+of the output): on a CPU a round hashes only the keys of the uniforms it uses, in one call, and elsewhere the
+uniforms come from a few large calls (:class:`RoundUniforms`; target_only's in one ``rng.uniform`` call), instead
+of one call per step and stream;
 while every row is active (``full``) the caches are read without a gather copy and rows are
 updated in place; the common round (every row drafts gamma tokens) skips the per-step live-row
 indexing and verifies in one group; counters stay on the device (:class:`~specray.methods.common.RoundTally`) and are moved
@@ -168,9 +168,15 @@ class RoundUniforms:
     """The speculative loop's uniforms, ``rng.uniform`` of streams "draft", "accept", "residual".
 
     Every active row's round index equals the loop iteration (all rows start together and a row
-    leaves only when done), so the keys of a round are (sample, position, iteration). They are
-    computed for all samples and positions, a chunk of rounds at a time: the same values as one
-    ``rng.uniform`` call per key (the hash is elementwise), without a call per round and stream.
+    leaves only when done), so the keys of a round are (sample, position, iteration): the same values
+    as one ``rng.uniform`` call per key (the hash is elementwise), made one of two ways.
+
+    - On a CPU with specray's kernels, a round hashes only the keys it uses, in the plan's call
+      (``chain_plan``) or one ``round_uniforms`` call, from each sample's three stream hashes made once
+      (``hashes [B, 3]``): some 15 keys a row in a round of gamma 4.
+    - Elsewhere (a GPU, the kernels off), by torch's operations for every sample and position, a chunk
+      of rounds at a time (:meth:`slab`): one pass of the hash's operations for many rounds, the
+      elements a round does not read costing less than a pass each round would.
     """
 
     STREAMS = ("draft", "accept", "residual")
@@ -178,13 +184,20 @@ class RoundUniforms:
     def __init__(self, seed: int, sample_ids: torch.Tensor, num_positions: int) -> None:
         self.seed = seed
         self.sample_ids = sample_ids
+        self.hashes = self.stream_hashes(seed, sample_ids)
         self.positions = torch.arange(num_positions, device=sample_ids.device)
         # Per-call overhead dominates small batches, element cost large ones.
         self.chunk = max(8, min(64, 256 // max(1, sample_ids.shape[0])))
         self.chunks: list[torch.Tensor] = []  # [B, positions, chunk, 3] float64
 
+    @classmethod
+    def stream_hashes(cls, seed: int, sample_ids: torch.Tensor) -> torch.Tensor:
+        """``rng.stream_hash`` of each sample and stream ``[B, 3]``: what a round's keys start from."""
+        ids = torch.tensor([rng.stream_id(s) for s in cls.STREAMS], dtype=torch.int64, device=sample_ids.device)
+        return rng.stream_hash(seed, sample_ids[:, None], ids)
+
     def slab(self, step: int) -> torch.Tensor:
-        """Every sample's uniforms ``[B, positions, 3]`` in round ``step`` (a view)."""
+        """Every sample's uniforms ``[B, positions, 3]`` in round ``step`` (a view), by torch's operations."""
         while len(self.chunks) <= step // self.chunk:
             start = len(self.chunks) * self.chunk
             steps = torch.arange(start, start + self.chunk, device=self.positions.device)
@@ -194,6 +207,11 @@ class RoundUniforms:
 
     def round(self, step: int, idx: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Uniforms ``[r, k, 3]`` of rows ``idx`` at ``positions [r, k]`` (each < ``num_positions``) in round ``step``."""
+        kernels = cpu_rounds.bookkeeping(positions.device)
+        if kernels is not None:
+            u = kernels.round_uniforms(self.hashes, idx, positions, step)
+            if u is not None:
+                return u
         slab = self.slab(step)
         rows = slab if idx.shape[0] == slab.shape[0] else slab[idx]  # full batch: idx is arange
         return torch.gather(rows, 1, positions[:, :, None].expand(-1, -1, 3))
@@ -286,7 +304,7 @@ def _next_round(committed: torch.Tensor, num_tokens: int, gamma: int, labels: to
                 (num_tokens - 1 - committed).clamp(max=gamma))
     if len(lengths) == committed.shape[0]:
         kernels = cpu_rounds.bookkeeping(committed.device)
-        planned = None if kernels is None else kernels.chain_plan(committed, gamma, uniforms.slab(step),
+        planned = None if kernels is None else kernels.chain_plan(committed, gamma, uniforms.hashes, step,
                                                                   tokens if draft_inputs else None)
         if planned is not None and planned[0] is not None:  # one call, the same values
             positions, fed_positions, u_draft, u_accept, u_residual, *made = planned

@@ -28,6 +28,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("move_slots", &move_slots, "K/V slots moved within a head-major CPU cache, every layer at once");
   m.def("chain_plan", &chain_plan, "a draft GPT's round's positions, uniforms and draft calls' inputs, every row "
         "taking part");
+  m.def("round_uniforms", &round_uniforms, "a discrete round's uniforms at its rows' positions, from their stream "
+        "hashes");
   m.def("chain_verify_inputs", &chain_verify_inputs, "a draft GPT's round's verify call's inputs, every row taking "
         "part");
   m.def("chain_commit", &chain_commit, "a draft GPT's round's commit: the next token, the caches' lengths");

@@ -2,8 +2,10 @@
 // round's positions, uniforms and draft calls' inputs; the verify call's inputs; and its commit (the correction / bonus
 // into the token buffer, both caches' lengths, the committed lengths). The values of
 // specray/methods/discrete/loop.py's torch operations (about 25 of them a round, a few microseconds of dispatch each
-// at batch 1): integer sums, a minimum, copies.
+// at batch 1): integer sums, a minimum, copies, and the uniforms' hash (splitmix.h: integer arithmetic and an exact
+// conversion to a double).
 #include "kernels.h"
+#include "splitmix.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -11,20 +13,20 @@
 #include <vector>
 
 // See kernels.h.
-ChainPlan chain_plan(const at::Tensor& committed, int64_t gamma, const at::Tensor& slab,
+ChainPlan chain_plan(const at::Tensor& committed, int64_t gamma, const at::Tensor& stream_hashes, int64_t step,
                      const std::optional<at::Tensor>& tokens) {
-  if (!on_cpu({&committed}, at::kLong) || !on_cpu({&slab}, at::kDouble) || committed.dim() != 1 || slab.dim() != 3 ||
-      slab.size(0) != committed.size(0) || slab.size(2) != 3 || gamma < 1 ||
+  if (!on_cpu({&committed, &stream_hashes}, at::kLong) || committed.dim() != 1 || stream_hashes.dim() != 2 ||
+      stream_hashes.size(0) != committed.size(0) || stream_hashes.size(1) != 3 || gamma < 1 ||
       (tokens && (!on_cpu({&*tokens}, at::kLong) || tokens->dim() != 2 || tokens->size(0) != committed.size(0)))) {
     return {};
   }
   const int64_t rows = committed.size(0);
   const auto n = committed.accessor<int64_t, 1>();
   for (int64_t b = 0; b < rows; ++b) {
-    if (n[b] < 0 || n[b] + gamma > slab.size(1)) return {};  // the uniforms of positions n .. n + gamma - 1
+    if (n[b] < 0) return {};
   }
   const auto longs = committed.options();
-  const auto doubles = slab.options();
+  const auto doubles = longs.dtype(at::kDouble);
   at::Tensor positions = at::empty({rows, gamma + 1}, longs), fed_positions = at::empty({rows, gamma + 1}, longs);
   at::Tensor u_draft = at::empty({rows, gamma}, doubles), u_accept = at::empty({rows, gamma}, doubles);
   at::Tensor u_residual = at::empty({rows}, doubles);
@@ -33,7 +35,7 @@ ChainPlan chain_plan(const at::Tensor& committed, int64_t gamma, const at::Tenso
   double* draft = u_draft.data_ptr<double>();
   double* accept = u_accept.data_ptr<double>();
   double* residual = u_residual.data_ptr<double>();
-  const auto u = slab.accessor<double, 3>();
+  const auto h = stream_hashes.accessor<int64_t, 2>();
   for (int64_t b = 0; b < rows; ++b) {
     // Draft i is image token n + i, fed at sequence position n + i; its keys are position n + i's.
     for (int64_t i = 0; i <= gamma; ++i) {
@@ -41,10 +43,10 @@ ChainPlan chain_plan(const at::Tensor& committed, int64_t gamma, const at::Tenso
       fed[b * (gamma + 1) + i] = n[b] + i - 1;
     }
     for (int64_t i = 0; i < gamma; ++i) {
-      draft[b * gamma + i] = u[b][n[b] + i][0];
-      accept[b * gamma + i] = u[b][n[b] + i][1];
+      draft[b * gamma + i] = splitmix64::uniform_at(static_cast<uint64_t>(h[b][0]), n[b] + i, step, 0);
+      accept[b * gamma + i] = splitmix64::uniform_at(static_cast<uint64_t>(h[b][1]), n[b] + i, step, 0);
     }
-    residual[b] = u[b][n[b]][2];
+    residual[b] = splitmix64::uniform_at(static_cast<uint64_t>(h[b][2]), n[b], step, 0);
   }
   if (!tokens) return {positions, fed_positions, u_draft, u_accept, u_residual, {}, {}, {}, {}};
   // The draft calls' inputs: step 0 catches up sequence positions n - 1, n, fed image tokens n - 2, n - 1 (from round
@@ -72,6 +74,36 @@ ChainPlan chain_plan(const at::Tensor& committed, int64_t gamma, const at::Tenso
   }
   return {positions, fed_positions, u_draft, u_accept, u_residual, fed_positions.narrow(1, 0, 2), first_fed,
           later.unbind(0), columns.unbind(0)};
+}
+
+// See kernels.h.
+at::Tensor round_uniforms(const at::Tensor& stream_hashes, const at::Tensor& idx, const at::Tensor& positions,
+                          int64_t step) {
+  if (!on_cpu({&stream_hashes, &idx, &positions}, at::kLong) || stream_hashes.dim() != 2 || idx.dim() != 1 ||
+      positions.dim() != 2 || positions.size(0) != idx.size(0)) {
+    return {};
+  }
+  const int64_t rows = idx.size(0), k = positions.size(1), streams = stream_hashes.size(1);
+  const auto row = idx.accessor<int64_t, 1>();
+  const auto position = positions.accessor<int64_t, 2>();
+  for (int64_t b = 0; b < rows; ++b) {
+    if (row[b] < 0 || row[b] >= stream_hashes.size(0)) return {};
+    for (int64_t i = 0; i < k; ++i) {
+      if (position[b][i] < 0) return {};
+    }
+  }
+  const auto h = stream_hashes.accessor<int64_t, 2>();
+  at::Tensor out = at::empty({rows, k, streams}, stream_hashes.options().dtype(at::kDouble));
+  double* u = out.data_ptr<double>();
+  for (int64_t b = 0; b < rows; ++b) {
+    for (int64_t i = 0; i < k; ++i) {
+      for (int64_t s = 0; s < streams; ++s) {
+        u[(b * k + i) * streams + s] =
+            splitmix64::uniform_at(static_cast<uint64_t>(h[row[b]][s]), position[b][i], step, 0);
+      }
+    }
+  }
+  return out;
 }
 
 namespace {

@@ -42,17 +42,24 @@ bool write_blocks(at::Tensor& storage, const at::Tensor& x, const at::Tensor& ro
 // to its sequence positions; false, with nothing moved, where the call is not one it serves.
 bool move_slots(at::Tensor& storage, const at::Tensor& rows, const at::Tensor& source, const at::Tensor& dest);
 
+// A discrete round's uniforms [r, k, S] float64 (chain_bookkeeping.cpp) of the samples idx [r] at positions [r, k]
+// in round step, from the samples' stream hashes stream_hashes [B, S] (rng.stream_hash): stream s's
+// rng.uniform_at(rng.extend_hash(hash, position, step)). Undefined where the call is not one it serves (a row or a
+// position out of range).
+at::Tensor round_uniforms(const at::Tensor& stream_hashes, const at::Tensor& idx, const at::Tensor& positions,
+                          int64_t step);
+
 // A draft GPT's speculative round where every row of the batch takes part (chain_bookkeeping.cpp), with the values
-// of specray/methods/discrete/loop.py's torch operations: from the committed lengths n [B], the round's uniforms
-// slab [B, positions, 3] (float64, the streams draft, accept, residual last) and the token buffer tokens [B, T],
-// positions n + i and fed positions n + i - 1 [B, gamma + 1], u_draft and u_accept [B, gamma] (positions
-// n .. n + gamma - 1) and u_residual [B] (position n); and, given tokens, the draft calls' inputs: the first call's
-// positions n - 1, n [B, 2] and tokens (image tokens n - 2, n - 1; undefined unless every n >= 2), the later calls'
-// positions n + i [B, 1] (i = 1 .. gamma - 1) and the draft uniforms by column [B, 1] (without tokens: undefined and
-// empty). Undefined tensors where the call is not one it serves.
+// of specray/methods/discrete/loop.py's torch operations: from the committed lengths n [B], the rows' hashes of the
+// streams draft, accept, residual stream_hashes [B, 3] (rng.stream_hash), the round's index step and the token buffer
+// tokens [B, T], positions n + i and fed positions n + i - 1 [B, gamma + 1], the uniforms u_draft and u_accept
+// [B, gamma] (keyed by positions n .. n + gamma - 1 and step) and u_residual [B] (position n), float64; and, given
+// tokens, the draft calls' inputs: the first call's positions n - 1, n [B, 2] and tokens (image tokens n - 2, n - 1;
+// undefined unless every n >= 2), the later calls' positions n + i [B, 1] (i = 1 .. gamma - 1) and the draft uniforms
+// by column [B, 1] (without tokens: undefined and empty). Undefined tensors where the call is not one it serves.
 using ChainPlan = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
                              std::vector<at::Tensor>, std::vector<at::Tensor>>;
-ChainPlan chain_plan(const at::Tensor& committed, int64_t gamma, const at::Tensor& slab,
+ChainPlan chain_plan(const at::Tensor& committed, int64_t gamma, const at::Tensor& stream_hashes, int64_t step,
                      const std::optional<at::Tensor>& tokens);
 
 // Its verify call's inputs: the drafts draft_columns (gamma of [B, 1], int64) and their laws (gamma of [B, V]) stacked
@@ -79,13 +86,15 @@ bool chain_commit(at::Tensor& tokens, at::Tensor& committed, at::Tensor& target_
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> tree_masks(
     const at::Tensor& n_rows, const at::Tensor& depths, const at::Tensor& tree_visible, int64_t span, int64_t window);
 
-// A static tree round's uniforms per node (tree_bookkeeping.cpp): slab [B, positions, width, 3] float64 (the streams
-// draft, accept, residual last), samples idx [r] with committed lengths n [r], each column's position offset and
-// rank [N + 2] int64: draft [r, N + 2] = slab[idx, n + offset, rank, 0], accept [r, N + 1] (the same but the last
-// column, stream 1) and residual [r] (column 0, stream 2). Undefined tensors where the call is not one it serves.
-std::tuple<at::Tensor, at::Tensor, at::Tensor> tree_uniforms(const at::Tensor& slab, const at::Tensor& idx,
-                                                             const at::Tensor& n, const at::Tensor& offset,
-                                                             const at::Tensor& rank);
+// A static tree round's uniforms per node (tree_bookkeeping.cpp), float64, from the batch rows' hashes of the streams
+// draft, accept, residual stream_hashes [B, 3] (rng.stream_hash), the round's index step, samples idx [r] with
+// committed lengths n [r], each column's position offset and rank [N + 2] int64: draft [r, N + 2], element rank of
+// the draft stream's draw keyed by position n + offset and step; accept [r, N + 1] (the same but the last column, the
+// accept stream) and residual [r] (column 0, the residual stream). Undefined tensors where the call is not one it
+// serves.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> tree_uniforms(const at::Tensor& stream_hashes, int64_t step,
+                                                             const at::Tensor& idx, const at::Tensor& n,
+                                                             const at::Tensor& offset, const at::Tensor& rank);
 
 // A static tree round's commit (tree_bookkeeping.cpp), with the writes of specray/methods/discrete/eagle_loop.py's
 // _commit_tree_torch: for samples b < r with committed length n [b], accepted count n_accepted [b] (<= depth), the

@@ -20,13 +20,9 @@ namespace {
 
 using splitmix64::kGolden;
 using splitmix64::mix;
+using splitmix64::to_uniform;
 
 constexpr double kTwoPi = 2.0 * 3.141592653589793;  // Python's 2.0 * math.pi, an exact doubling
-
-// rng.py's _to_uniform: the top 53 bits (exact as a double) times 2^-53 (exact).
-inline double to_uniform(uint64_t bits) {
-  return static_cast<double>(static_cast<int64_t>(bits >> 11)) * (1.0 / 9007199254740992.0);
-}
 
 }  // namespace
 

@@ -2,8 +2,10 @@
 // uniforms per node, and its commit (the accepted path's tokens and the correction / bonus into the rows' token
 // buffer, the target's K/V of the path moved to its sequence positions, the root's and the path's hidden states
 // kept, the new committed lengths). The values of specray/methods/discrete/eagle_loop.py's torch operations (about
-// 60 of them a round, ~0.2 ms at batch 1): integer sums, comparisons and copies, so the same values.
+// 60 of them a round, ~0.2 ms at batch 1): integer sums, comparisons and copies, and the uniforms' hash (splitmix.h:
+// integer arithmetic and an exact conversion to a double), so the same values.
 #include "kernels.h"
+#include "splitmix.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -63,12 +65,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
 }
 
 // See kernels.h.
-std::tuple<at::Tensor, at::Tensor, at::Tensor> tree_uniforms(const at::Tensor& slab, const at::Tensor& idx,
-                                                             const at::Tensor& n, const at::Tensor& offset,
-                                                             const at::Tensor& rank) {
-  if (!on_cpu({&slab}, at::kDouble) || !on_cpu({&idx, &n, &offset, &rank}, at::kLong) || slab.dim() != 4 ||
-      slab.size(3) != 3 || idx.dim() != 1 ||
-      n.sizes() != idx.sizes() || offset.dim() != 1 || rank.sizes() != offset.sizes() || offset.size(0) < 2) {
+std::tuple<at::Tensor, at::Tensor, at::Tensor> tree_uniforms(const at::Tensor& stream_hashes, int64_t step,
+                                                             const at::Tensor& idx, const at::Tensor& n,
+                                                             const at::Tensor& offset, const at::Tensor& rank) {
+  if (!on_cpu({&stream_hashes, &idx, &n, &offset, &rank}, at::kLong) || stream_hashes.dim() != 2 ||
+      stream_hashes.size(1) != 3 || idx.dim() != 1 || n.sizes() != idx.sizes() || offset.dim() != 1 ||
+      rank.sizes() != offset.sizes() || offset.size(0) < 2) {
     return {};
   }
   const int64_t r = idx.size(0), columns = offset.size(0);
@@ -77,28 +79,28 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> tree_uniforms(const at::Tensor& s
   const auto shift = offset.accessor<int64_t, 1>();
   const auto place = rank.accessor<int64_t, 1>();
   for (int64_t v = 0; v < columns; ++v) {
-    if (shift[v] < 0 || place[v] < 0 || place[v] >= slab.size(2)) return {};
+    if (shift[v] < 0 || place[v] < 0) return {};
   }
   for (int64_t b = 0; b < r; ++b) {
-    if (row[b] < 0 || row[b] >= slab.size(0) || length[b] < 0) return {};
-    for (int64_t v = 0; v < columns; ++v) {
-      if (length[b] + shift[v] >= slab.size(1)) return {};
-    }
+    if (row[b] < 0 || row[b] >= stream_hashes.size(0) || length[b] < 0) return {};
   }
-  const auto u = slab.accessor<double, 4>();
-  const auto doubles = slab.options();
+  const auto h = stream_hashes.accessor<int64_t, 2>();
+  const auto doubles = stream_hashes.options().dtype(at::kDouble);
   at::Tensor draft = at::empty({r, columns}, doubles), accept = at::empty({r, columns - 1}, doubles);
   at::Tensor residual = at::empty({r}, doubles);
   double* d = draft.data_ptr<double>();
   double* a = accept.data_ptr<double>();
   double* res = residual.data_ptr<double>();
   for (int64_t b = 0; b < r; ++b) {
-    // Node v's keys: position n + offset[v], index rank[v]; the streams draft, accept, residual in the last axis.
+    // Node v's keys: position n + offset[v], the round, index rank[v]; the streams draft, accept, residual.
+    const auto stream = h[row[b]];
     for (int64_t v = 0; v < columns; ++v) {
-      const auto key = u[row[b]][length[b] + shift[v]][place[v]];
-      d[b * columns + v] = key[0];
-      if (v + 1 < columns) a[b * (columns - 1) + v] = key[1];
-      if (v == 0) res[b] = key[2];
+      const int64_t position = length[b] + shift[v];
+      d[b * columns + v] = splitmix64::uniform_at(static_cast<uint64_t>(stream[0]), position, step, place[v]);
+      if (v + 1 < columns) {
+        a[b * (columns - 1) + v] = splitmix64::uniform_at(static_cast<uint64_t>(stream[1]), position, step, place[v]);
+      }
+      if (v == 0) res[b] = splitmix64::uniform_at(static_cast<uint64_t>(stream[2]), position, step, place[v]);
     }
   }
   return {draft, accept, residual};
