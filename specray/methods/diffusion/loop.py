@@ -194,7 +194,7 @@ def speculative_chain(
     for index in itertools.count():
         frozen = drafter == "frozen" or (drafter == "free" and index == 0)  # every row is new in round 0
         # every row active with gamma steps left, the common round: on a CPU its slots in one call
-        rnd = _full_round(index, all_rows, k, gamma, frozen, tables) if act is None else None
+        rnd = _full_round(index, all_rows, k, gamma, frozen, tables) if act is None and k.is_cpu else None
         if rnd is None:
             if k.is_cpu:
                 k_host = k.numpy()
