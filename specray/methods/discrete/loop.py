@@ -173,7 +173,7 @@ class RoundUniforms:
 
     - On a CPU with specray's kernels, a round hashes only the keys it uses, in the plan's call
       (``chain_plan``) or one ``round_uniforms`` call, from each sample's three stream hashes made once
-      (``hashes [B, 3]``): some 15 keys a row in a round of gamma 4.
+      (``hashes [B, 3]``): 9 a row in a round of gamma 4 (12 in a tail round's call).
     - Elsewhere (a GPU, the kernels off), by torch's operations for every sample and position, a chunk
       of rounds at a time (:meth:`slab`): one pass of the hash's operations for many rounds, the
       elements a round does not read costing less than a pass each round would.
