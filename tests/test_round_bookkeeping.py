@@ -228,8 +228,9 @@ def test_the_chain_round_plan_is_torchs(extension, monkeypatch, batch, gamma):
 @pytest.mark.parametrize("batch", [1, 5])
 def test_the_round_uniforms_are_torchs_and_rngs(extension, monkeypatch, batch):
     """A round's uniforms at its rows' positions, by the kernel (``round_uniforms``): the values of torch's path
-    (the slab's, gathered) for every row and for some, at rounds 0, 9 and 70 (three chunks of rounds), with no
-    slab made, and ``rng.uniform``'s key by key; rows past the batch and negative positions refused; seed 6."""
+    (the slab's, gathered) for every row and for some, at rounds 0, 9 and 70 (two chunks of rounds), with no slab
+    made, and ``rng.uniform``'s at the last row's last position; rows past the batch and negative positions refused;
+    seed 6."""
     ids, generator = torch.arange(batch) + 3, torch.Generator().manual_seed(6)
     uniforms, torch_side = loop.RoundUniforms(7, ids, 70), loop.RoundUniforms(7, ids, 70)
     for step in (0, 9, 70):
