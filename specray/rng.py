@@ -234,9 +234,18 @@ def uniform_streams(
     """
     if device is None and isinstance(sample_ids, torch.Tensor):
         device = sample_ids.device
-    ids = torch.tensor([stream_id(s) for s in streams], dtype=torch.int64, device=device)
-    h = stream_hash(seed, _as_long(sample_ids, device)[..., None], ids, device)
+    h = stream_hashes(seed, sample_ids, streams, device)
     return _to_uniform(bits_at(extend_hash(h, _trailing(position, device), _trailing(step, device)), shape))
+
+
+def stream_hashes(seed: int, sample_ids: TensorLike, streams: Sequence[str | int],
+                  device: torch.device | str | None = None) -> torch.Tensor:
+    """:func:`stream_hash` of each of ``streams``, stacked last: shape ``sample_ids.shape + (len(streams),)``
+    (what :func:`uniform_streams` extends, and a loop that hashes a round's own keys starts from)."""
+    if device is None and isinstance(sample_ids, torch.Tensor):
+        device = sample_ids.device
+    ids = torch.tensor([stream_id(s) for s in streams], dtype=torch.int64, device=device)
+    return stream_hash(seed, _as_long(sample_ids, device)[..., None], ids, device)
 
 
 def _trailing(x: TensorLike, device: torch.device | str | None) -> torch.Tensor | int:

@@ -193,8 +193,7 @@ class RoundUniforms:
     @classmethod
     def stream_hashes(cls, seed: int, sample_ids: torch.Tensor) -> torch.Tensor:
         """``rng.stream_hash`` of each sample and stream ``[B, 3]``: what a round's keys start from."""
-        ids = torch.tensor([rng.stream_id(s) for s in cls.STREAMS], dtype=torch.int64, device=sample_ids.device)
-        return rng.stream_hash(seed, sample_ids[:, None], ids)
+        return rng.stream_hashes(seed, sample_ids, cls.STREAMS)
 
     def slab(self, step: int) -> torch.Tensor:
         """Every sample's uniforms ``[B, positions, 3]`` in round ``step`` (a view), by torch's operations."""
