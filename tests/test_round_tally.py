@@ -1,5 +1,5 @@
-"""RoundTally: rounds in which every row takes part are kept aside and folded in by flush; the counters
-and the acceptance timeline must be those of the same rounds observed row by row."""
+"""RoundTally: every round is kept aside and folded in by flush, its rows concatenated with other rounds'; the
+counters and the acceptance timeline must be those of the same rounds added up row by row in plain Python."""
 
 from __future__ import annotations
 
@@ -15,21 +15,43 @@ def _stats(tally: RoundTally, num_tokens: int) -> list[dict]:
 
 
 # A tree of depth 3 as observe_tree takes it: nodes 0 (the root) .. 5 at depths 0, 1, 1, 2, 2, 3, one-hot by depth.
-TREE_DEPTHS = torch.tensor([0, 1, 1, 2, 2, 3])[:, None] == torch.arange(1, 4)[None, :]
+NODE_DEPTHS = [0, 1, 1, 2, 2, 3]
+TREE_DEPTHS = torch.tensor(NODE_DEPTHS)[:, None] == torch.arange(1, 4)[None, :]
 
 
-def test_full_rounds_folded_by_flush_equal_rounds_observed_row_by_row():
-    # 60 rounds on 6 rows (seed 3): full and partial rounds mixed, masks of two widths, tree-like drafted
-    # counts on some, prefix rounds and tree rounds on others, and a flush half way (a tally flushed twice folds each
-    # round once).
+def _added_row_by_row(batch: int, gamma: int, num_tokens: int, rounds: list[tuple]) -> list[dict]:
+    """The statistics of ``rounds`` (rows, positions, drafted and accepted masks as lists, drafted counts) summed in
+    Python, one row of one round at a time."""
+    rows_stats = [{"rounds": 0, "drafted": 0, "accepted": 0, "per_position": [0] * gamma,
+                   "timeline_drafted": [0] * num_tokens, "timeline_accepted": [0] * num_tokens} for _ in range(batch)]
+    for rows, positions, drafted, accepted, counts in rounds:
+        for i, b in enumerate(rows):
+            row = rows_stats[b]
+            row["rounds"] += 1
+            row["drafted"] += counts[i]
+            row["accepted"] += sum(accepted[i])
+            for slot, position in enumerate(positions[i]):
+                if slot < gamma:
+                    row["per_position"][slot] += accepted[i][slot]
+                if position < num_tokens:
+                    row["timeline_drafted"][position] += drafted[i][slot]
+                    row["timeline_accepted"][position] += accepted[i][slot]
+    return rows_stats
+
+
+def test_rounds_folded_by_flush_equal_rounds_added_row_by_row():
+    # 60 rounds on 6 rows (seed 3): full and partial rounds mixed (a partial round's rows in a random order), masks of
+    # two widths, tree-like drafted counts on some, prefix rounds and tree rounds on others, and a flush half way (a
+    # tally flushed twice folds each round once).
     gen = torch.Generator().manual_seed(3)
     batch, gamma, num_tokens = 6, 4, 40
-    kept, by_row = RoundTally(batch, gamma, num_tokens), RoundTally(batch, gamma, num_tokens)
+    tally = RoundTally(batch, gamma, num_tokens)
     every_row = torch.arange(batch)
-    full_rounds = 0
+    rounds, full_rounds = [], 0
     for step in range(60):
-        full = torch.rand((), generator=gen) < 0.6
+        full = bool(torch.rand((), generator=gen) < 0.6)
         rows = every_row if full else torch.nonzero(torch.rand(batch, generator=gen) < 0.5).squeeze(1)
+        rows = rows if full else rows[torch.randperm(rows.shape[0], generator=gen)]
         r = rows.shape[0]
         width = gamma if step % 3 else gamma - 1
         positions = torch.randint(0, num_tokens - width, (r, 1), generator=gen) + torch.arange(width)
@@ -38,25 +60,40 @@ def test_full_rounds_folded_by_flush_equal_rounds_observed_row_by_row():
             drafted_nodes[:, 0] = True
             n = torch.randint(0, num_tokens - 3, (r,), generator=gen)
             n_accepted = torch.randint(0, 4, (r,), generator=gen)
-            kept.observe_tree(None if full else rows, n, drafted_nodes, n_accepted, TREE_DEPTHS)
-            by_row.observe_tree(rows, n.clone(), drafted_nodes, n_accepted, TREE_DEPTHS)
+            tally.observe_tree(None if full else rows, n, drafted_nodes, n_accepted, TREE_DEPTHS)
+            nodes = drafted_nodes.tolist()
+            drafted = [[any(d and NODE_DEPTHS[v] == t + 1 for v, d in enumerate(row)) for t in range(3)]
+                       for row in nodes]
+            accepted = [[t < a for t in range(3)] for a in n_accepted.tolist()]
+            counts = [sum(d and NODE_DEPTHS[v] > 0 for v, d in enumerate(row)) for row in nodes]
+            positions = n[:, None] + torch.arange(3)
         elif step % 2:
             drafted = torch.rand(r, width, generator=gen) < 0.8
             accepted = drafted & (torch.rand(r, width, generator=gen) < 0.5)
             count = drafted.sum(1) + torch.randint(0, 3, (r,), generator=gen) if step % 4 == 1 else None
-            kept.observe(None if full else rows, positions, drafted, accepted, drafted_count=count)
-            by_row.observe(rows, positions.clone(), drafted, accepted, drafted_count=count)
+            tally.observe(None if full else rows, positions, drafted, accepted, drafted_count=count)
+            counts = (drafted.sum(1) if count is None else count).tolist()
+            drafted, accepted = drafted.tolist(), accepted.tolist()
         else:
             n_drafted = torch.randint(0, width + 1, (r,), generator=gen)
             n_accepted = torch.minimum(n_drafted, torch.randint(0, width + 1, (r,), generator=gen))
-            kept.observe_prefix(None if full else rows, positions, n_drafted, n_accepted)
-            by_row.observe_prefix(rows, positions.clone(), n_drafted, n_accepted)
-        full_rounds += bool(full)
+            tally.observe_prefix(None if full else rows, positions, n_drafted, n_accepted)
+            drafted = [[t < d for t in range(width)] for d in n_drafted.tolist()]
+            accepted = [[t < a for t in range(width)] for a in n_accepted.tolist()]
+            counts = n_drafted.tolist()
+        rounds.append((rows.tolist(), positions.tolist(), drafted, accepted, counts))
+        full_rounds += full
         if step == 30:
-            kept.flush()
+            tally.flush()
     assert 10 < full_rounds < 50
-    stats = _stats(kept, num_tokens)
-    assert stats == _stats(by_row, num_tokens)
+    stats = _stats(tally, num_tokens)
+    expected = _added_row_by_row(batch, gamma, num_tokens, rounds)
+    for row, want in zip(stats, expected):
+        timeline = row["extra"]["acceptance_timeline"]
+        assert (row["num_spec_steps"], row["num_draft_tokens"], row["num_accepted_draft_tokens"]) == (
+            want["rounds"], want["drafted"], want["accepted"])
+        assert row["accepted_per_position"] == want["per_position"]
+        assert timeline["drafted"] == want["timeline_drafted"] and timeline["accepted"] == want["timeline_accepted"]
     assert all(s["num_spec_steps"] > 0 and s["num_accepted_draft_tokens"] > 0 for s in stats)
 
 

@@ -8,7 +8,9 @@ continuous token, a denoising step.
 
 from __future__ import annotations
 
+import itertools
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -103,6 +105,11 @@ def text_conditioning(model: torch.nn.Module) -> tuple[bool, bool]:
     return kinds
 
 
+def _grouped(kept: list[tuple], key: Callable[[tuple], int]) -> list[list[tuple]]:
+    """``kept`` in groups of equal ``key``."""
+    return [list(group) for _, group in itertools.groupby(sorted(kept, key=key), key)]
+
+
 @dataclass
 class GenerationResult:
     """Images of one batch plus one statistics record per row.
@@ -123,10 +130,10 @@ class RoundTally:
     token index (``position``) each slot sits. Chain rules accept a prefix, block verification
     the prefix up to its last passing slot, CSpD's windows any subset: all are masks here.
 
-    Counters are moved to the host once, in :meth:`to_stats`. Rounds in which every row of the
-    batch takes part (the common case) are kept aside by reference (no op in the round) and folded
-    in at the end, counters and timeline alike, all rounds of a kind at once: prefix rounds by their
-    counts, rounds given as masks, tree rounds by their drafted nodes and accepted depths.
+    Counters are moved to the host once, in :meth:`to_stats`. Every round is kept aside by reference
+    (no op in the round) and folded in by :meth:`flush`, counters and timeline alike, all rounds of a
+    kind at once, their rows concatenated: prefix rounds by their counts, rounds given as masks, tree
+    rounds by their drafted nodes and accepted depths.
     """
 
     def __init__(self, batch: int, gamma: int, num_positions: int, device: torch.device | str = "cpu") -> None:
@@ -140,13 +147,13 @@ class RoundTally:
         self.timeline_drafted, self.timeline_accepted = zeros(batch, self._width), zeros(batch, self._width)
         self._slots = torch.arange(max(gamma, 1) + 1, device=device)
         self._all_rows = torch.arange(batch, device=device)
-        # Full rounds kept aside until flush, by reference (callers pass fresh tensors each round): prefix rounds as
-        # (positions [batch, G], drafted and accepted counts [batch]); rounds reported as masks (observe with rows
-        # None) as (positions, drafted, accepted, drafted count or None), each [batch, G] ([batch] for the count);
-        # tree rounds as observe_tree's arguments.
-        self._full_rounds: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
-        self._full_masks: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]] = []
-        self._full_trees: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        # Rounds kept aside until flush, by reference (callers pass fresh tensors each round), each with its rows
+        # first (None: every row): prefix rounds as (rows, positions [r, G], drafted and accepted counts [r]); rounds
+        # reported as masks as (rows, positions, drafted, accepted [r, G], drafted count [r] or None); tree rounds as
+        # observe_tree's arguments.
+        self._prefix_rounds: list[tuple] = []
+        self._mask_rounds: list[tuple] = []
+        self._tree_rounds: list[tuple] = []
 
     def slots(self, n: int) -> torch.Tensor:
         """``arange(n)`` on the tally's device (n <= gamma + 1), for building masks from counts."""
@@ -159,58 +166,32 @@ class RoundTally:
         ``positions [r, G]``: the token index of each draft slot; ``drafted``/``accepted`` ``[r, G]``:
         bool masks (accepted implies drafted). Slots past the row's draft are not drafted.
         ``drafted_count [r]``: tokens drafted when a slot held several candidates (a draft tree: the
-        slots are its depths, the count its nodes); default ``drafted.sum(1)``. With ``rows`` None the
-        four tensors are kept by reference until :meth:`flush`: the caller must not modify them.
+        slots are its depths, the count its nodes); default ``drafted.sum(1)``. The tensors are kept
+        by reference until :meth:`flush`: the caller must not modify them.
         """
-        if rows is None:  # a full round: no op now, folded in by flush with the others
-            self._full_masks.append((positions, drafted, accepted, drafted_count))
-            return
-        drafted_n = drafted.sum(1) if drafted_count is None else drafted_count
-        g = min(drafted.shape[1], self.gamma)
-        self.rounds[rows] += 1
-        self.drafted[rows] += drafted_n
-        self.accepted[rows] += accepted.sum(1)
-        self.per_position[rows, :g] += accepted[:, :g].to(torch.int64)
-        self._add_timeline(rows, positions, drafted, accepted)
+        self._mask_rounds.append((rows, positions, drafted, accepted, drafted_count))
 
     def observe_prefix(self, rows: torch.Tensor | None, positions: torch.Tensor, n_drafted: torch.Tensor,
                        n_accepted: torch.Tensor) -> None:
         """:meth:`observe` for rounds that draft and accept a prefix: counts ``[r]`` instead of masks (``positions``
         may have more slots than a row drafts, up to ``gamma + 1``: slots past ``n_drafted`` count as not drafted)."""
-        if rows is None:  # the common full round: no op now, counters and timeline built in flush
-            self._full_rounds.append((positions, n_drafted, n_accepted))
-            return
-        slot = self.slots(positions.shape[1])[None, :]
-        self.observe(rows, positions, slot < n_drafted[:, None], slot < n_accepted[:, None])
+        self._prefix_rounds.append((rows, positions, n_drafted, n_accepted))
 
     def observe_tree(self, rows: torch.Tensor | None, n: torch.Tensor, drafted_nodes: torch.Tensor,
                      n_accepted: torch.Tensor, node_depth: torch.Tensor) -> None:
         """:meth:`observe` for a round that drafts a tree from committed lengths ``n [r]``: ``drafted_nodes [r, N]``
         which nodes were drafted, ``node_depth [N, G]`` each node's depth one-hot (node v at depth t + 1 in column t,
         the root's row all False), ``n_accepted [r]`` the accepted depths. Slot t is image token ``n + t``: drafted
-        where a node of depth t + 1 was, accepted below ``n_accepted``; the drafted count is the drafted nodes. With
-        ``rows`` None the tensors are kept by reference until :meth:`flush`, as :meth:`observe` keeps them."""
-        if rows is None:  # the common full round: no op now, masks built in flush for all such rounds at once
-            self._full_trees.append((n, drafted_nodes, n_accepted, node_depth))
-            return
-        self.observe(rows, *self._tree_masks(n, drafted_nodes, n_accepted, node_depth))
+        where a node of depth t + 1 was, accepted below ``n_accepted``; the drafted count is the drafted nodes."""
+        self._tree_rounds.append((rows, n, drafted_nodes, n_accepted, node_depth))
 
     def _tree_masks(self, n: torch.Tensor, drafted_nodes: torch.Tensor, n_accepted: torch.Tensor,
                     node_depth: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """:meth:`observe_tree`'s rounds as positions, drafted and accepted masks ``[..., G]`` and drafted counts
-        ``[...]`` (any leading dimensions: a round's rows, or rounds by rows)."""
+        """:meth:`observe_tree`'s rounds as positions, drafted and accepted masks ``[r, G]`` and drafted counts
+        ``[r]``."""
         slot = self.slots(node_depth.shape[1])
-        drafted_at = drafted_nodes[..., None] & node_depth  # [..., N, G]
+        drafted_at = drafted_nodes[..., None] & node_depth  # [r, N, G]
         return (n[..., None] + slot, drafted_at.any(-2), slot < n_accepted[..., None], drafted_at.sum((-2, -1)))
-
-    def _add_timeline(self, rows: torch.Tensor | None, positions: torch.Tensor, drafted: torch.Tensor,
-                      accepted: torch.Tensor) -> None:
-        if rows is None:
-            rows = self._all_rows
-        # positions [r, G], or [rounds, r, G] for full rounds folded together in flush
-        flat = (rows[:, None] * self._width + positions).flatten()
-        self.timeline_drafted.view(-1).index_add_(0, flat, drafted.flatten().to(torch.int64))
-        self.timeline_accepted.view(-1).index_add_(0, flat, accepted.flatten().to(torch.int64))
 
     def add_calls(self, rows: torch.Tensor | None, target: torch.Tensor | int = 0,
                   draft: torch.Tensor | int = 0) -> None:
@@ -223,31 +204,38 @@ class RoundTally:
             self.draft_calls[rows] += draft
 
     def flush(self) -> None:
-        """Fold the full rounds kept aside into the counters (to_stats does it too), stacked by round
-        width (integer sums: the order does not matter)."""
-        for width in sorted({positions.shape[1] for positions, _, _ in self._full_rounds}):
-            group = [kept for kept in self._full_rounds if kept[0].shape[1] == width]
-            positions, n_drafted, n_accepted = (torch.stack([kept[i] for kept in group]) for i in range(3))
-            slot = self.slots(width)
-            self._fold(positions, slot < n_drafted[..., None], slot < n_accepted[..., None], n_drafted)
-        for width in sorted({positions.shape[1] for positions, *_ in self._full_masks}):
-            group = [kept for kept in self._full_masks if kept[0].shape[1] == width]
-            positions, drafted, accepted = (torch.stack([kept[i] for kept in group]) for i in range(3))
-            self._fold(positions, drafted, accepted, torch.stack([d.sum(1) if c is None else c for _, d, _, c in group]))
-        for depths in {id(kept[3]): kept[3] for kept in self._full_trees}.values():  # one table per tree drafted
-            group = [kept for kept in self._full_trees if kept[3] is depths]
-            self._fold(*self._tree_masks(*(torch.stack([kept[i] for kept in group]) for i in range(3)), depths))
-        self._full_rounds, self._full_masks, self._full_trees = [], [], []
+        """Fold the rounds kept aside into the counters (to_stats does it too): the rounds of a kind and width (a tree's
+        table) at once, their rows concatenated (integer sums: the order does not matter)."""
+        for group in _grouped(self._prefix_rounds, lambda kept: kept[1].shape[1]):
+            rows, (positions, n_drafted, n_accepted) = self._joined(group, 3)
+            slot = self.slots(positions.shape[1])
+            self._fold(rows, positions, slot < n_drafted[:, None], slot < n_accepted[:, None], n_drafted)
+        for group in _grouped(self._mask_rounds, lambda kept: kept[1].shape[1]):
+            rows, (positions, drafted, accepted) = self._joined(group, 3)
+            self._fold(rows, positions, drafted, accepted,
+                       torch.cat([d.sum(1) if c is None else c for _, _, d, _, c in group]))
+        for group in _grouped(self._tree_rounds, lambda kept: id(kept[4])):  # one table per tree drafted
+            rows, kept = self._joined(group, 3)
+            self._fold(rows, *self._tree_masks(*kept, group[0][4]))
+        self._prefix_rounds, self._mask_rounds, self._tree_rounds = [], [], []
 
-    def _fold(self, positions: torch.Tensor, drafted: torch.Tensor, accepted: torch.Tensor,
+    def _joined(self, group: list[tuple], n: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The rounds' rows (every row where a round's are None) and their first ``n`` tensors, concatenated."""
+        rows = torch.cat([self._all_rows if kept[0] is None else kept[0] for kept in group])
+        return rows, [torch.cat([kept[i] for kept in group]) for i in range(1, n + 1)]
+
+    def _fold(self, rows: torch.Tensor, positions: torch.Tensor, drafted: torch.Tensor, accepted: torch.Tensor,
               drafted_counts: torch.Tensor) -> None:
-        """Add R rounds in which every row took part: ``positions``, masks ``[R, batch, G]``, counts ``[R, batch]``."""
-        g = min(positions.shape[-1], self.gamma)
-        self.rounds += positions.shape[0]
-        self.drafted += drafted_counts.sum(0)
-        self.accepted += accepted.sum((0, 2))
-        self.per_position[:, :g] += accepted[:, :, :g].sum(0)
-        self._add_timeline(None, positions, drafted, accepted)
+        """Add rounds by their rows: batch rows ``rows [n]`` (a row once a round it took part in), ``positions`` and
+        masks ``[n, G]``, counts ``[n]``."""
+        g = min(positions.shape[1], self.gamma)
+        self.rounds.index_add_(0, rows, torch.ones_like(rows))
+        self.drafted.index_add_(0, rows, drafted_counts.to(torch.int64))
+        self.accepted.index_add_(0, rows, accepted.sum(1))
+        self.per_position[:, :g].index_add_(0, rows, accepted[:, :g].to(torch.int64))
+        flat = (rows[:, None] * self._width + positions).flatten()
+        self.timeline_drafted.view(-1).index_add_(0, flat, drafted.flatten().to(torch.int64))
+        self.timeline_accepted.view(-1).index_add_(0, flat, accepted.flatten().to(torch.int64))
 
     def to_stats(self, num_tokens: int, extra: list[dict[str, Any]] | None = None,
                  timeline: bool = True) -> list[SampleStats]:
