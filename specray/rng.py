@@ -212,7 +212,23 @@ def uniform(
     device: torch.device | str | None = None,
 ) -> torch.Tensor:
     """Uniforms in [0, 1) as float64 (53 random bits each)."""
-    return _to_uniform(random_bits(seed, sample_ids, stream, position, step, shape, device))
+    keyed = None if shape else _keyed_uniforms(seed, sample_ids, stream, position, step, device)
+    return _to_uniform(random_bits(seed, sample_ids, stream, position, step, shape, device)) if keyed is None else keyed
+
+
+def _keyed_uniforms(seed: int, sample_ids: TensorLike, stream: str | int, position: TensorLike, step: TensorLike,
+                    device: torch.device | str | None) -> torch.Tensor | None:
+    """:func:`uniform`'s one draw per key by one call of specray's kernels (``keyed_uniforms``: the same integer
+    arithmetic, so the same values) where this process has loaded them (the hash never builds nor loads them) and
+    the key fields are CPU tensors or ints; else None."""
+    module = cpu_kernels.loaded()
+    fields = (sample_ids, position, step)
+    if (module is None or not cpu_kernels.ENABLED or torch.compiler.is_compiling()
+            or not isinstance(sample_ids, torch.Tensor) or (device is not None and torch.device(device).type != "cpu")
+            or any(isinstance(x, torch.Tensor) and not x.is_cpu for x in fields)):
+        return None
+    return module.keyed_uniforms(*(_as_long(x, "cpu") for x in fields), _mix_int(int(seed) & 0x7FFFFFFFFFFFFFFF),
+                                 stream_id(stream))
 
 
 def uniform_streams(

@@ -167,15 +167,42 @@ def test_a_finaliser_that_differs_is_refused():
     assert not rng._kernel_matches(arithmetic_shifts, 0) and not rng._kernel_matches(no_last_shift, 0)
 
 
+def test_one_draw_per_key_by_the_kernel_is_the_torch_operations_uniform():
+    """``uniform`` without a shape takes one ``keyed_uniforms`` call once the kernels are loaded: its values are the
+    torch operations' (``_to_uniform(random_bits(...))``) for int and tensor key fields broadcast on several axes, the
+    int64 extremes among the sample ids, a seed past 2**63 (masked as the hash masks it) and an int stream, and the
+    scalar reference hash's for one key. Where the fields do not broadcast, or a field is not on the CPU, the kernel
+    refuses and torch's operations answer."""
+    _finaliser_kernel()
+    module = cpu_kernels.loaded()
+    ids = torch.tensor([0, 1, -1, (1 << 63) - 1, -(1 << 63), 12345, 90])
+    steps = torch.tensor([0, 5, 1 << 40])
+    cases = [(11, ids, "target", 0, 0), (11, ids, "accept", 7, 5), ((1 << 64) + 3, ids[:, None], 77, torch.arange(9), 2),
+             (3, ids[None, :, None], "draft", torch.arange(4)[:, None, None], steps), (3, ids.to(torch.int32), "x", 2, 0)]
+    for seed, sample_ids, stream, position, step in cases:
+        by_torch = rng._to_uniform(rng.random_bits(seed, sample_ids, stream, position, step))
+        by_kernel = rng._keyed_uniforms(seed, sample_ids, stream, position, step, None)
+        assert by_kernel is not None and by_kernel.dtype == torch.float64 and torch.equal(by_kernel, by_torch)
+        assert torch.equal(rng.uniform(seed, sample_ids, stream, position, step), by_torch)
+    reference = _splitmix_reference(11, 90, "accept", 7, 5, 0)
+    assert rng.uniform(11, ids, "accept", 7, 5)[-1].item() == ((reference >> 11) & ((1 << 53) - 1)) / (1 << 53)
+    assert module.keyed_uniforms(ids, torch.arange(3), torch.zeros(1, dtype=torch.int64), 0, 0) is None
+    assert module.keyed_uniforms(ids.float(), torch.zeros(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64),
+                                 0, 0) is None
+    assert rng._keyed_uniforms(1, ids, "x", 0, 0, "meta") is None
+
+
 def test_draws_are_the_same_with_and_without_the_kernels(monkeypatch):
     _finaliser_kernel()
     ids = torch.arange(40)
     with_kernel = (rng.uniform(5, ids, "draft", position=3, step=ids[:, None], shape=(3,)),
-                   rng.normal(5, ids, "eps", shape=(4, 4), dtype=torch.float64))
+                   rng.normal(5, ids, "eps", shape=(4, 4), dtype=torch.float64),
+                   rng.uniform(5, ids, "draft", position=ids[:, None], step=2))
     monkeypatch.setattr(cpu_kernels, "ENABLED", False)
-    assert rng._mix_kernel(ids) is None
+    assert rng._mix_kernel(ids) is None and rng._keyed_uniforms(5, ids, "draft", 0, 0, None) is None
     without = (rng.uniform(5, ids, "draft", position=3, step=ids[:, None], shape=(3,)),
-               rng.normal(5, ids, "eps", shape=(4, 4), dtype=torch.float64))
+               rng.normal(5, ids, "eps", shape=(4, 4), dtype=torch.float64),
+               rng.uniform(5, ids, "draft", position=ids[:, None], step=2))
     assert all(torch.equal(a, b) for a, b in zip(with_kernel, without))
 
 

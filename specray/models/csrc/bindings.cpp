@@ -37,6 +37,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("tree_uniforms", &tree_uniforms, "a static tree round's uniforms per node");
   m.def("tree_commit", &tree_commit, "a static tree round's commit: tokens, the path's K/V and hidden states");
   m.def("splitmix", &splitmix, "SplitMix64's finaliser of int64 keys with the bits of specray.rng");
+  m.def("keyed_uniforms", &keyed_uniforms, "specray.rng.uniform's one draw per key, every key field in one call");
   m.def("draft_affine", &draft_affine, "a diffusion round's drafted states with a fixed eps, torch's values");
   m.def("draft_step", &draft_step, "a diffusion round's drafted state from a draft model's eps, torch's values");
   m.def("round_draws", &round_draws, "a diffusion round's keys, normals and uniforms with the values of torch's "

@@ -237,6 +237,13 @@ bool draft_step(at::Tensor& S, int64_t j, const at::Tensor& coef, const at::Tens
 // specray/rng.py's _mix (splitmix.cpp); an undefined tensor where the call is not one it serves.
 at::Tensor splitmix(const at::Tensor& keys);
 
+// rng.uniform of one draw per key (seed, sample id, stream, position, step), the sample ids, positions and steps int64
+// CPU tensors broadcast together, from the seed's hash (rng.py's _mix_int) and the stream's id: the finalisers'
+// integer arithmetic, so rng.py's values by construction (splitmix.cpp); an undefined tensor where the call is not
+// one it serves.
+at::Tensor keyed_uniforms(const at::Tensor& sample_ids, const at::Tensor& positions, const at::Tensor& steps,
+                          int64_t seed_hash, int64_t stream);
+
 // A speculative diffusion round's draws (round_draws.cpp), with the values of specray/methods/diffusion/cpu_draws.py's
 // torch operations: from the streams' hashes [streams, batch] (draft, accept[, residual, residual_noise]; int64) of
 // the round's batch rows rows [n], its index and every slot's step steps [n, G], the keys [streams, n, G], the
