@@ -383,15 +383,21 @@ def test_replaying_a_continuous_batch_remakes_its_calls_on_caches_of_its_own():
     assert not any(isinstance(o, ContentCache) for o in recordings[0].objects)
 
 
-def test_the_discrete_bench_prices_every_call_shape_at_the_tokens_rows_and_slots_its_key_names():
+@pytest.mark.parametrize("growing", [True, False])
+def test_the_discrete_bench_prices_every_call_shape_at_the_tokens_rows_and_slots_its_key_names(growing, monkeypatch):
     # A GPT call's cost grows with the cache slots it attends over, which in a speculative batch follow its
     # furthest row; every shape the counting pass finds (sd on the draft GPT, the head's chain and the eagle25
     # tree, batch 3 with its tail rounds on fewer rows) is timed on a call that feeds that many tokens on that
-    # many rows and attends over exactly that many slots (a growing cache holding no more).
+    # many rows and attends over exactly that many slots: with growing caches (every cache, however small) one
+    # holding no more, with the default size bound (at batch 3 every cache under it) a static one, all its slots.
     from bench import discrete as discrete_bench
     from bench.pricing import parse_shape
     from specray.methods.discrete.loop import GuidedModel
+    from specray.models import discrete_ar
     from specray.models.discrete_ar import load_pair
+
+    if growing:
+        monkeypatch.setattr(discrete_ar, "GROWING_CACHE_MIN_BYTES", 0)
 
     pairs = {name: load_pair(discrete_bench.TARGET, name, "cpu")
              for name in (discrete_bench.DRAFT, discrete_bench.HEAD)}
@@ -412,7 +418,9 @@ def test_the_discrete_bench_prices_every_call_shape_at_the_tokens_rows_and_slots
             assert call.args[0].shape[0] == rows, key
             call()
             if isinstance(stream, GuidedModel):
-                assert stream.cache.keys[0].shape[1] == slots, key
+                cache = stream.cache
+                assert (cache.slots is not None) == growing, key
+                assert cache.keys[0].shape[1] == (slots if growing else cache.max_len), key
 
 
 def test_making_each_call_again_in_place_leaves_the_replay_the_runs_calls():

@@ -364,6 +364,18 @@ def test_block_writes_are_chosen_for_large_calls_of_consecutive_positions(monkey
     assert_same_as_per_value_writes(run, monkeypatch)
 
 
+def test_only_a_cache_past_the_size_bound_grows():
+    """A CPU cache grows (KVCache.reserve) only where holding every slot would take more than
+    GROWING_CACHE_MIN_BYTES: tiny_model's 2 layers of dim 32 over 80 slots, float32, take 40,960 bytes a row, so 102
+    rows (4.18 MB) stay static and 103 rows (4.22 MB) grow."""
+    model = tiny_model()
+    per_row = 2 * 2 * 80 * 32 * 4
+    assert discrete_ar.GROWING_CACHE_MIN_BYTES == 4 << 20 and 102 * per_row <= 4 << 20 < 103 * per_row
+    static, growing = model.new_cache(102, 70), model.new_cache(103, 70)
+    assert (static.slots, static.keys[0].shape[1]) == (None, 80)
+    assert (growing.slots, growing.keys[0].shape[1]) == (80, 16)
+
+
 def test_a_growing_cache_gives_the_static_caches_results(monkeypatch):
     """A CPU cache that grows with its calls (KVCache.reserve) against one holding every slot from the start:
     the same logits at every call (level steps across the 16-slot boundaries, a ragged verify with a row
@@ -395,6 +407,7 @@ def test_a_growing_cache_gives_the_static_caches_results(monkeypatch):
 
     def caches(growing: bool):
         monkeypatch.setattr(discrete_ar, "GROWING_CACHES", growing)
+        monkeypatch.setattr(discrete_ar, "GROWING_CACHE_MIN_BYTES", 0)  # this small a cache too
         return model.new_cache(4, 70)
 
     with torch.no_grad():

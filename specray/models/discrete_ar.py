@@ -75,6 +75,11 @@ BLOCK_WRITE_KERNEL = True
 # of memory, where it would read each block's first slots and skip the rest: at fid50k's batch of 128
 # the attention reads caches larger than the CPU's caches, and skipping made those reads up to 2x slower.
 GROWING_CACHES = True
+# Only a cache that would take more than this with every slot held grows. A smaller one sits in the CPU's caches, where
+# reading each block's first slots costs what reading whole blocks does, and growing it costs a copy of every layer's
+# slots per growth and its per-tensor Python: at batch 1 the digits presets' target cache (1 MB) grew four times a
+# batch and the draft's four more, some 2 ms of a 30 ms sd batch (0 restores growing for every cache, for A/B).
+GROWING_CACHE_MIN_BYTES = 4 << 20
 # Whether an eager CPU call runs its layers in one call of the C++ extension where it is built (fused_layers: the
 # same ATen operations without Python's share of their dispatch; False: the Python layers, for A/B).
 FUSED_LAYERS = True
@@ -965,8 +970,12 @@ class DiscreteGPT(nn.Module):
         if self.caption_conditioned:
             prefix_valid = torch.ones(batch_rows, self.config.cls_token_num, dtype=torch.bool, device=p.device)
         slots = None
-        if GROWING_CACHES and p.device.type == "cpu" and self.compiled_decode is None and not self.caption_conditioned:
-            # A growing cache (KVCache.reserve): the first span's slots now, the rest as calls need them.
+        per_slot = 2 * len(self.layers) * self.config.n_head * self.config.head_dim * p.element_size()  # K and V
+        full_bytes = batch_rows * cpu_attention_slots(max_len) * per_slot
+        if (GROWING_CACHES and p.device.type == "cpu" and self.compiled_decode is None and not self.caption_conditioned
+                and full_bytes > GROWING_CACHE_MIN_BYTES):
+            # A growing cache (KVCache.reserve): the first span's slots now, the rest as calls need them (a large one:
+            # GROWING_CACHE_MIN_BYTES).
             slots, shape["max_len"] = cpu_attention_slots(max_len), ATTENTION_SPAN_QUANTUM
         cache = KVCache(
             keys=[kv_slots(batch_rows, **shape) for _ in self.layers],
