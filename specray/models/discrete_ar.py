@@ -78,7 +78,7 @@ GROWING_CACHES = True
 # Only a cache that would take more than this with every slot held grows. A smaller one sits in the CPU's caches, where
 # reading each block's first slots costs what reading whole blocks does, and growing it costs a copy of every layer's
 # slots per growth and its per-tensor Python: at batch 1 the digits presets' target cache (1 MB) grew four times a
-# batch and the draft's four more, some 2 ms of a 30 ms sd batch (0 restores growing for every cache, for A/B).
+# batch and the draft's four more, some 1.9 ms of a 30-36 ms sd batch (0 restores growing for every cache, for A/B).
 GROWING_CACHE_MIN_BYTES = 4 << 20
 # Whether an eager CPU call runs its layers in one call of the C++ extension where it is built (fused_layers: the
 # same ATen operations without Python's share of their dispatch; False: the Python layers, for A/B).

@@ -1,8 +1,8 @@
 // SplitMix64's finaliser on every element of an int64 tensor (specray/rng.py's _mix, the hash of every draw) in one
 // call: eleven torch operations there, each a pass over the keys and a few microseconds of dispatch. The finaliser
 // (splitmix.h) gives rng.py's bits; rng.py compares the kernel with its torch operations before using it.
-// keyed_uniforms: rng.uniform's one draw per key, every key field mixed in by one call (five finalisers and the
-// conversion a key, where rng.py's operations pass over the keys some sixty times).
+// keyed_uniforms: rng.uniform's one draw per key, every key field mixed in by one call, where rng.py makes five
+// finaliser calls and eight torch operations, each a pass over the keys.
 #include "kernels.h"
 #include "splitmix.h"
 
