@@ -4,7 +4,7 @@ import torch
 
 from specray.methods.discrete.loop import generate_tokens
 from specray.models import buffer_reuse
-from specray.models.discrete_ar import kv_slots, load_pair
+from specray.models.discrete_ar import _grown, kv_slots, load_pair
 
 CPU = torch.device("cpu")
 
@@ -97,6 +97,40 @@ def test_a_buffer_whose_view_outlived_its_run_is_not_handed_out():
         fresh = kv_slots(2, max_len=16, n_head=2, head_dim=4, like=torch.zeros(1))
         assert fresh.untyped_storage().data_ptr() != kept.untyped_storage().data_ptr()
         assert torch.equal(kept, torch.full_like(kept, 5.0))  # the kept view is left alone
+
+
+def test_empty_hands_out_an_earlier_runs_buffer_as_it_is():
+    with buffer_reuse.reusing():
+        dirty = buffer_reuse.empty(3, 4, dtype=torch.float32, device=CPU)
+        dirty.fill_(7.0)
+        pointer = dirty.data_ptr()
+        del dirty
+    with buffer_reuse.reusing():
+        again = buffer_reuse.empty(3, 4, dtype=torch.float32, device=CPU)
+        assert again.data_ptr() == pointer and torch.equal(again, torch.full((3, 4), 7.0))
+        del again
+    with buffer_reuse.reusing():
+        assert torch.equal(_zeros(3, 4), torch.zeros(3, 4))  # zeros zeroes the same buffer
+
+
+def test_a_grown_cache_in_an_earlier_runs_buffer_holds_its_slots_and_zeros():
+    """A growing cache's new slots are zeroed by _grown itself (its buffer is not zeroed first): the held slots are the
+    old ones, the rest zero, in a buffer an earlier run left full of NaN. Negative control (run by hand): a _grown that
+    does not zero the new slots leaves the NaN and fails."""
+    shape = {"n_head": 2, "head_dim": 4, "like": torch.zeros(1)}
+    with buffer_reuse.reusing():
+        left = kv_slots(3, max_len=32, **shape)
+        left.fill_(float("nan"))
+        pointer = left.untyped_storage().data_ptr()
+        del left
+    with buffer_reuse.reusing():
+        old = kv_slots(3, max_len=16, **shape)
+        old.copy_(torch.randn(old.shape, generator=torch.Generator().manual_seed(0)))
+        new = _grown(old, 32)
+        assert new.untyped_storage().data_ptr() == pointer  # the NaN buffer came back
+        assert new.shape == (3, 32, 2, 4) and new.stride() == kv_slots(3, max_len=32, **shape).stride()
+        assert torch.equal(new[:, :16], old)
+        assert torch.equal(new[:, 16:], torch.zeros(3, 16, 2, 4))
 
 
 def test_a_buffer_no_run_takes_is_dropped_after_keep_idle_runs():

@@ -624,7 +624,7 @@ def apply_rope(x: torch.Tensor, rope: torch.Tensor | tuple[torch.Tensor, torch.T
 
 
 def kv_slots(*leading: int, max_len: int, n_head: int, head_dim: int, like: torch.Tensor,
-             static: bool = False) -> torch.Tensor:
+             static: bool = False, zeroed: bool = True) -> torch.Tensor:
     """Zeroed K or V slots ``[*leading, slots, n_head, head_dim]`` (the cache's index order) stored
     head-major, ``[*leading, n_head, slots, head_dim]`` in memory: attention reads each head's keys
     contiguously (the CPU attention kernel runs ~30% faster on them; same values, same results).
@@ -633,11 +633,12 @@ def kv_slots(*leading: int, max_len: int, n_head: int, head_dim: int, like: torc
     reaches the cache's end then sums as one that stops short of it, so a row's bits do not depend on
     how far its batch companions are (69 slots against 64 differ in the last bits on AVX2).
     Inside :func:`specray.models.buffer_reuse.reusing`, the previous run's slots, zeroed again (on any device where
-    ``static``: a CUDA graph records their address)."""
+    ``static``: a CUDA graph records their address). ``zeroed=False``: not zeroed, for a caller that writes every
+    slot itself."""
     if like.device.type == "cpu":
         max_len = cpu_attention_slots(max_len)
-    storage = buffer_reuse.zeros(*leading, n_head, max_len, head_dim, dtype=like.dtype, device=like.device,
-                                 static=static)
+    allocate = buffer_reuse.zeros if zeroed else buffer_reuse.empty
+    storage = allocate(*leading, n_head, max_len, head_dim, dtype=like.dtype, device=like.device, static=static)
     return storage.transpose(-3, -2)
 
 
@@ -658,8 +659,9 @@ def _grown(old: torch.Tensor, slots: int) -> torch.Tensor:
     """The K or V slots ``old`` in a cache of ``slots`` slots (:func:`kv_slots`): the held ones copied, the
     rest zero."""
     rows, held, heads, head_dim = old.shape
-    new = kv_slots(rows, max_len=slots, n_head=heads, head_dim=head_dim, like=old)
+    new = kv_slots(rows, max_len=slots, n_head=heads, head_dim=head_dim, like=old, zeroed=False)
     new[:, :held] = old.detach()  # a cache is not part of any graph
+    new[:, held:].zero_()  # only the new slots: the held ones are written just above
     return new
 
 
