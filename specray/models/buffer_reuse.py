@@ -4,7 +4,8 @@ A discrete-AR run allocates its K/V caches anew: at fid50k's batch of 128 (256 r
 guidance) the target's are 24 tensors of 5.2 MB. Freed when the run ends, that memory goes back to
 the operating system, and the next run's zero-fill faults every page in again: 3-5 % of a batch of
 128 on a 2-core CPU. Inside :func:`reusing`, :func:`zeros` returns a buffer of the same shape from the
-previous run instead, zeroed again: the same values, layout and strides as a fresh one.
+previous run instead, zeroed again: the same values, layout and strides as a fresh one. :func:`empty` hands it
+out as the earlier run left it, for a caller that writes every element (a growing K/V cache).
 
 A buffer is handed out again only while nothing but the pool holds its memory (a view kept past its
 run keeps its buffer out of the pool). The pool drops a buffer that :data:`KEEP_IDLE_RUNS` runs in a
