@@ -110,7 +110,8 @@ def test_empty_hands_out_an_earlier_runs_buffer_as_it_is():
         assert again.data_ptr() == pointer and torch.equal(again, torch.full((3, 4), 7.0))
         del again
     with buffer_reuse.reusing():
-        assert torch.equal(_zeros(3, 4), torch.zeros(3, 4))  # zeros zeroes the same buffer
+        zeroed = _zeros(3, 4)
+        assert zeroed.data_ptr() == pointer and torch.equal(zeroed, torch.zeros(3, 4))  # zeros zeroes it again
 
 
 def test_a_grown_cache_in_an_earlier_runs_buffer_holds_its_slots_and_zeros():
