@@ -312,7 +312,9 @@ def _prefill(target: TargetStream, labels: torch.Tensor, sample_ids: torch.Tenso
     visible = _causal(zero, attention_span(zero, target.cache.max_len))
     probs0, hidden = target.probs(idx, labels[:, None], zero, zero, visible, prefix=True)
     target.keep_features(idx, zero, hidden)
-    tokens[:, 0] = rng.categorical(probs0[:, 0], seed, sample_ids, "target", position=0)
+    # rng.categorical's keys and tokens, drawn by the kernel where it serves
+    tokens[:, 0] = cpu_rounds.sample_categorical(probs0[:, 0], rng.uniform(seed, sample_ids, "target", position=0,
+                                                                          device=labels.device))
     return torch.ones(batch, dtype=torch.int64, device=labels.device)
 
 

@@ -473,7 +473,8 @@ def _speculative(verifier: Verifier, params: Speculative, pair: ModelPair, label
     # 0. PREFILL: the first image token from the target, keyed exactly like target_only's.
     zero = torch.zeros(batch, 1, dtype=torch.int64, device=device)
     probs0 = target_stream.probs(all_rows, labels[:, None], zero, all_rows=True, prefix=True)[:, 0]
-    tokens[:, 0] = rng.categorical(probs0, seed, sample_ids, "target", position=0)
+    # rng.categorical's keys and tokens, drawn by the bound kernel where it serves
+    tokens[:, 0] = draws[0](probs0, rng.uniform(seed, sample_ids, "target", position=0, device=device))
     tally.add_calls(None, target=1)
 
     # Every active row is in round `it` (see RoundUniforms).
