@@ -77,9 +77,13 @@ def main(argv: list[str] | None = None) -> None:
             sys.exit(f"{option}: unknown {', '.join(unknown)}; choose from {', '.join(KERNELS)}")
     torch.set_num_threads(1)
     decode_attention.prepare()  # build and check outside the timed runs
-    if "attention" in (*kernels, *both) and decode_attention.kernel(1) is None:
+    served = [n for n in decode_attention.QUERIES if decode_attention.kernel(n) is not None]
+    if "attention" in (*kernels, *both) and not served:
         sys.exit("specray's decode-attention kernel is not in use here (see the log above); leave `attention` out of "
                  "--kernels and --both to compare the others")
+    if "attention" in (*kernels, *both) and len(served) < len(decode_attention.QUERIES):
+        print(f"# the decode-attention kernel serves calls of {', '.join(map(str, served))} queries here; torch's "
+              "kernel the others")
     title = f"torch's operations vs specray's CPU kernels ({', '.join(kernels)})"
     if both:
         title += f", {', '.join(both)} on in both"

@@ -7,12 +7,14 @@ time, and attention about half of a target step at batch 128. ``csrc/decode_atte
 the same steps with the BLAS's own summation orders written out (for 1 and for 4 to 9 queries), so
 every output has the same bits; alone on a call it is 2-3x faster.
 
-Those orders belong to the BLAS build, the CPU and the thread count (measured here: MKL 2024.2, AVX2,
-one thread). So the kernel serves a query count only after it has matched torch's kernel value for
-value on every span it serves (:data:`SPANS`, :func:`_matches_torch`), in this process at this thread
-count; on any difference, or when it cannot be compiled (:mod:`~specray.models.cpu_kernels` builds it),
-calls stay with torch's kernel, which gives the same values anyway. Set ``SPECRAY_DECODE_KERNEL=0`` to
-skip it. The choice never changes a sample, only the time.
+Those orders belong to the BLAS build, the CPU and the thread count, and were read off MKL 2024.2 at one
+thread: on its AVX2 path (an AMD EPYC) and, for one query, on its AVX-512 path (an Intel Xeon), where 4 to 9
+queries sum as on the AVX2 path (:data:`ONE_QUERY_ORDERS`); the softmax's running sums follow torch's own
+build for the CPU, 8 lanes (AVX2) or 16 (AVX-512). So the kernel serves a query count only after it has
+matched torch's kernel value for value on every span it serves (:data:`SPANS`, :func:`_matches_torch`), in
+this process at this thread count; on any difference, or when it cannot be compiled
+(:mod:`~specray.models.cpu_kernels` builds it), calls stay with torch's kernel, which gives the same values
+anyway. Set ``SPECRAY_DECODE_KERNEL=0`` to skip it. The choice never changes a sample, only the time.
 """
 
 from __future__ import annotations
@@ -36,6 +38,11 @@ QUERIES = (1, 4, 5, 6, 7, 8, 9)
 # keep one summation order (discrete_ar.ATTENTION_SPAN_SHORT); longer calls stay with torch's kernel.
 SPANS = tuple(range(16, 193, 16))
 ENABLED = cpu_kernels.ENABLED
+# The BLAS orders the kernel's one-query calls can follow (csrc/decode_attention.cpp): MKL's AVX2 path's (read on an
+# AMD EPYC) and its AVX-512 path's (read on an Intel Xeon); MKL picks its path by the CPU. The other query counts sum
+# alike on both paths.
+ONE_QUERY_ORDERS = {0: "MKL's AVX2 path", 1: "MKL's AVX-512 path"}
+_one_query_orders = [0]  # the orders the extension follows now (set_one_query_orders)
 # torch's kernel as imported, for the check: the reference stays torch's whatever later wraps F's function.
 _TORCH_ATTENTION = F.scaled_dot_product_attention
 
@@ -68,9 +75,10 @@ def _cases(queries: int, span: int, generator: torch.Generator) -> tuple[torch.T
     return q, k, v, mask
 
 
-def _matches_torch(kernel: Callable, queries: int) -> bool:
+def _matches_torch(kernel: Callable, queries: int, orders: str = "") -> bool:
     """Whether ``kernel`` gives torch's values at ``queries`` queries on every span of :data:`SPANS`
-    (2 draws each, seed 0), at the calling thread count."""
+    (2 draws each, seed 0), at the calling thread count; the log names the first difference (``orders``: the
+    one-query orders tried)."""
     generator = torch.Generator().manual_seed(0)
     for span in SPANS:
         for _ in range(2):
@@ -78,8 +86,8 @@ def _matches_torch(kernel: Callable, queries: int) -> bool:
             want = _TORCH_ATTENTION(q, k, v, attn_mask=mask)
             got = kernel(q, k, v, mask, HEAD_DIM ** -0.5)
             if got is None or not torch.equal(got, want):
-                log.info("decode attention: the CPU kernel differs from torch's at %d queries, span %d, %d "
-                            "threads; using torch's there", queries, span, torch.get_num_threads())
+                log.info("decode attention: the CPU kernel differs from torch's at %d queries%s, span %d, %d "
+                         "threads", queries, orders, span, torch.get_num_threads())
                 return False
     return True
 
@@ -93,8 +101,26 @@ def kernel(queries: int = 1) -> Callable | None:
             if key not in _checked:
                 built = _function()
                 with torch.inference_mode(False):
-                    _checked[key] = built is not None and queries in QUERIES and _matches_torch(built, queries)
+                    _checked[key] = built is not None and queries in QUERIES and _checks(built, queries)
     return _function() if _checked[key] else None
+
+
+def _checks(built: Callable, queries: int) -> bool:
+    """:func:`_matches_torch`; at one query under each BLAS's orders the kernel knows (:data:`ONE_QUERY_ORDERS`), the
+    process's current ones first, the first that matches kept for the process."""
+    if queries != 1:
+        matched = _matches_torch(built, queries)
+    else:
+        for orders in sorted(ONE_QUERY_ORDERS, key=lambda o: o != _one_query_orders[0]):
+            cpu_kernels.extension().set_one_query_orders(orders)
+            _one_query_orders[0] = orders
+            matched = _matches_torch(built, 1, f" under {ONE_QUERY_ORDERS[orders]}'s orders")
+            if matched:
+                break
+    if not matched:
+        log.info("decode attention: torch's kernel serves calls of %d queries at %d threads", queries,
+                 torch.get_num_threads())
+    return matched
 
 
 def prepare() -> None:

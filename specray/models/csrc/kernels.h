@@ -30,9 +30,12 @@ inline bool on_cpu(std::initializer_list<const at::Tensor*> tensors, at::ScalarT
 }
 
 // Attention over a KV cache with the values of torch's CPU flash-attention kernel (decode_attention.cpp);
-// an undefined tensor where a block is off the alignment the summation orders were read at.
+// an undefined tensor where the call is not one it serves (a block off the alignment the summation orders were
+// read at, a bool mask, a span the softmax's lanes do not divide).
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& mask,
                             double scale);
+// Which BLAS orders decode_attention's one-query calls follow, process-wide: 0 MKL's AVX2 path's, 1 its AVX-512's.
+void set_one_query_orders(int64_t orders);
 
 // K or V of n consecutive positions per row copied into a head-major cache (cache_write.cpp); false, with
 // nothing written, where the call is not one it serves.
