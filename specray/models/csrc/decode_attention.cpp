@@ -161,7 +161,8 @@ inline void fused_weighted_sums(const float* v, const float* e, int64_t queries,
 // of torch's vectors, then the lanes' reduction; returns the sum, or 0 when every slot is masked (the row's
 // output is 0). torch's AVX2 kernels sum in 8 lanes; its AVX-512 kernels in 16 (slots a multiple of 16), here
 // as two vectors of 8, reduced as its AVX-512 reduction does: lane i with lane i + 8, then with the lanes 4, 2
-// and 1 apart. exp_u20 gives the same bits either way (the same operations, its floor taken otherwise).
+// and 1 apart. exp_u20 gives the same bits either way (the same operations; AVX-512 takes its floor by a
+// rounding conversion, the same value).
 inline float exp_row(float* e, int64_t slots, bool sixteen_lanes) {
   const float top = at::vec::reduce_all<float>([](Vec& x, Vec& y) { return at::vec::maximum(x, y); }, e, slots);
   if (top == -std::numeric_limits<float>::infinity()) return 0.f;
