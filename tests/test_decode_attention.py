@@ -70,6 +70,17 @@ def test_blocks_off_the_64_byte_alignment_are_handed_back_to_torch(kernel, one_t
     assert torch.equal(attend(shifted, k, v, attn_mask=mask), F.scaled_dot_product_attention(q, k, v, attn_mask=mask))
 
 
+def test_a_bool_mask_is_handed_back_to_torch(kernel, one_thread):
+    """The kernel takes discrete_ar.additive_mask's 0 / -inf; a bool mask (which the fused layers may pass it) goes
+    to torch's kernel as given, by the Python wrapper and by the kernel itself."""
+    q, k, v, mask = decode_attention._cases(5, 32, torch.Generator().manual_seed(5))
+    allowed = mask == 0
+    assert kernel(q, k, v, allowed, 0.25) is None
+    attend = decode_attention.attention_for(q, 16, 5, 32)
+    assert attend is not F.scaled_dot_product_attention
+    assert torch.equal(attend(q, k, v, attn_mask=allowed), F.scaled_dot_product_attention(q, k, v, attn_mask=allowed))
+
+
 def test_the_check_refuses_a_kernel_off_by_one_bit(one_thread):
     """Negative control for the guard: a kernel whose sums differ from torch's in the last bit anywhere
     (what another BLAS order gives) is refused."""

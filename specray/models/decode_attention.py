@@ -150,7 +150,7 @@ class _Kernel:
         self.fast = fast
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor) -> torch.Tensor:
-        # A bool mask goes to torch's kernel as given (the kernel takes discrete_ar.additive_mask's 0 / -inf).
-        out = self.fast(q, k, v, attn_mask, q.shape[-1] ** -0.5) if attn_mask.dtype == torch.float32 else None
-        # None also: a block off the 64-byte alignment the orders were read at.
+        out = self.fast(q, k, v, attn_mask, q.shape[-1] ** -0.5)
+        # None: a call the kernel does not serve (a bool mask, a block off the 64-byte alignment the orders were read
+        # at), which torch's kernel takes as given.
         return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask) if out is None else out
