@@ -104,13 +104,14 @@ def test_one_query_follows_the_orders_that_matched(kernel, one_thread):
     if decode_attention.kernel(1) is None:
         pytest.skip("the kernel does not give torch's values at one query here (see the log)")
     module = cpu_kernels.extension()
-    kept = decode_attention._one_query_orders[0]
+    kept = module.get_one_query_orders()
     try:
         for other in set(decode_attention.ONE_QUERY_ORDERS) - {kept}:
             module.set_one_query_orders(other)
             assert not decode_attention._matches_torch(kernel, 1)
     finally:
         module.set_one_query_orders(kept)
+    assert module.get_one_query_orders() == kept
     assert decode_attention._matches_torch(kernel, 1)
     with pytest.raises(RuntimeError, match="set_one_query_orders"):
         module.set_one_query_orders(2)

@@ -42,7 +42,6 @@ ENABLED = cpu_kernels.ENABLED
 # AMD EPYC) and its AVX-512 path's (read on an Intel Xeon); MKL picks its path by the CPU. The other query counts sum
 # alike on both paths.
 ONE_QUERY_ORDERS = {0: "MKL's AVX2 path", 1: "MKL's AVX-512 path"}
-_one_query_orders = [0]  # the orders the extension follows now (set_one_query_orders)
 # torch's kernel as imported, for the check: the reference stays torch's whatever later wraps F's function.
 _TORCH_ATTENTION = F.scaled_dot_product_attention
 
@@ -111,9 +110,10 @@ def _checks(built: Callable, queries: int) -> bool:
     if queries != 1:
         matched = _matches_torch(built, queries)
     else:
-        for orders in sorted(ONE_QUERY_ORDERS, key=lambda o: o != _one_query_orders[0]):
-            cpu_kernels.extension().set_one_query_orders(orders)
-            _one_query_orders[0] = orders
+        module = cpu_kernels.extension()
+        current = module.get_one_query_orders()
+        for orders in sorted(ONE_QUERY_ORDERS, key=lambda o: o != current):
+            module.set_one_query_orders(orders)
             matched = _matches_torch(built, 1, f" under {ONE_QUERY_ORDERS[orders]}'s orders")
             if matched:
                 break

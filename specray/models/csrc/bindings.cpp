@@ -7,6 +7,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "attention over a CPU KV cache with torch's values (heads of 16)");
   m.def("set_one_query_orders", &set_one_query_orders, "the BLAS orders of decode_attention's one-query calls "
         "(0: MKL's AVX2 path, 1: its AVX-512 path)");
+  m.def("get_one_query_orders", &get_one_query_orders, "the orders set_one_query_orders set last (0 at first)");
   m.def("rms_norm", &rms_norm, "RMSNorm of float32 rows with the values of torch's operations");
   m.def("sample_categorical", &sample_categorical, "inverse-CDF draws with the values of specray.rng");
   m.def("chain_round", &chain_round, "a chain rule's round (sd, cool_sd, uniform_rsd) with torch's values",

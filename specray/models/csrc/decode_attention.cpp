@@ -215,6 +215,8 @@ void set_one_query_orders(int64_t orders) {
   one_query_orders.store(orders);
 }
 
+int64_t get_one_query_orders() { return one_query_orders.load(); }
+
 // q [B, H, n, 16] with n = 1 or 4..9 (the BLAS's paths measured); k, v [B, H, S, 16], each head's S x 16
 // block contiguous; mask additive, 0 or -inf, [B or 1, 1, n, S]. Returns [B, H, n, 16] laid out as torch's
 // kernel lays out its output, or an undefined tensor (None in Python) when some (row, head) block of q, k or

@@ -36,6 +36,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
                             double scale);
 // Which BLAS orders decode_attention's one-query calls follow, process-wide: 0 MKL's AVX2 path's, 1 its AVX-512's.
 void set_one_query_orders(int64_t orders);
+int64_t get_one_query_orders();
 
 // K or V of n consecutive positions per row copied into a head-major cache (cache_write.cpp); false, with
 // nothing written, where the call is not one it serves.
