@@ -91,10 +91,13 @@ def test_sample_is_independent_of_its_batch_companions(pair, method):
 def test_growing_caches_give_the_static_caches_samples(pair, monkeypatch, method):
     """Every method, 20 samples (rows finish at different rounds, so calls park rows), seed 4: the same
     tokens and statistics with caches that grow with their calls (discrete_ar.GROWING_CACHES, every cache
-    however small) as with caches holding every slot from the start; the caches did grow."""
+    however small, the speculative loop's target's too) as with caches holding every slot from the start; the caches
+    did grow."""
+    from specray.methods.discrete import loop
     from specray.models import discrete_ar
 
     monkeypatch.setattr(discrete_ar, "GROWING_CACHE_MIN_BYTES", 0)
+    monkeypatch.setattr(loop, "SPECULATIVE_TARGET_CACHE_GROWS", True)
     params = resolve_params(method, {})
     labels, sample_ids = torch.arange(20) % 10, torch.arange(20) + 300
     grown = []
@@ -108,6 +111,35 @@ def test_growing_caches_give_the_static_caches_samples(pair, monkeypatch, method
     assert not grown
     assert torch.equal(growing[0], static[0])
     assert growing[1] == static[1]
+
+
+def test_the_speculative_loops_target_cache_holds_every_slot(pair, monkeypatch):
+    """sd, 3 samples, every cache that can grow set to (GROWING_CACHE_MIN_BYTES 0): the draft's cache grows with its
+    calls, the target's holds every slot from the start (loop.SPECULATIVE_TARGET_CACHE_GROWS), and target_only's
+    grows."""
+    from specray.methods.discrete import loop
+    from specray.models import discrete_ar
+
+    monkeypatch.setattr(discrete_ar, "GROWING_CACHE_MIN_BYTES", 0)
+    caches = []
+    real = discrete_ar.DiscreteGPT.new_cache
+
+    def recorded(model, *args, **kwargs):
+        cache = real(model, *args, **kwargs)
+        caches.append((model is pair.target, cache.slots is not None))
+        return cache
+
+    monkeypatch.setattr(discrete_ar.DiscreteGPT, "new_cache", recorded)
+    labels, sample_ids = torch.arange(3), torch.arange(3)
+    generate_tokens("sd", resolve_params("sd", {}), pair, labels, sample_ids, seed=1)
+    assert caches == [(True, False), (False, True)]  # (target's, grows)
+    caches.clear()
+    monkeypatch.setattr(loop, "SPECULATIVE_TARGET_CACHE_GROWS", True)
+    generate_tokens("sd", resolve_params("sd", {}), pair, labels, sample_ids, seed=1)
+    assert caches == [(True, True), (False, True)]
+    caches.clear()
+    generate_tokens("target_only", {}, pair, labels, sample_ids, seed=1)
+    assert caches == [(True, True)]
 
 
 @pytest.mark.parametrize("method", list(METHODS))

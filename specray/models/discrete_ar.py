@@ -959,8 +959,10 @@ class DiscreteGPT(nn.Module):
 
     # ---- cached incremental forward ----------------------------------------------------
 
-    def new_cache(self, batch_rows: int, max_len: int | None = None) -> KVCache:
-        """Empty cache for ``batch_rows`` rows (both CFG halves count as rows)."""
+    def new_cache(self, batch_rows: int, max_len: int | None = None, grow: bool = True) -> KVCache:
+        """Empty cache for ``batch_rows`` rows (both CFG halves count as rows). ``grow=False``: every slot held from
+        the start even where the cache would grow (:data:`GROWING_CACHES`), for a caller whose calls read the cache
+        too few times for growth's copies to pay (the speculative loop's target, one verify call a round)."""
         max_len = self.max_seq_len if max_len is None else max_len
         p = self.output.weight
         # A compiled step's caches are static inputs of its CUDA graphs: the same buffers, at the same addresses,
@@ -974,7 +976,7 @@ class DiscreteGPT(nn.Module):
         slots = None
         per_slot = 2 * len(self.layers) * self.config.n_head * self.config.head_dim * p.element_size()  # K and V
         full_bytes = batch_rows * cpu_attention_slots(max_len) * per_slot
-        if (GROWING_CACHES and p.device.type == "cpu" and self.compiled_decode is None and not self.caption_conditioned
+        if (grow and GROWING_CACHES and p.device.type == "cpu" and self.compiled_decode is None and not self.caption_conditioned
                 and full_bytes > GROWING_CACHE_MIN_BYTES):
             # A growing cache (KVCache.reserve): the first span's slots now, the rest as calls need them (a large one:
             # GROWING_CACHE_MIN_BYTES).
