@@ -104,7 +104,6 @@ from bench.pricing import (  # noqa: E402
     start_report,
     with_replays,
 )
-from specray.methods.discrete import loop as discrete_loop  # noqa: E402
 from specray.methods.discrete.eagle_loop import HeadStream, TargetStream  # noqa: E402
 from specray.methods.discrete.loop import GuidedModel, generation_context, run_batch  # noqa: E402
 from specray.methods.discrete.params import SD  # noqa: E402
@@ -308,10 +307,10 @@ def _call_of_shape(role: str, n: int, slots: int, rows: int, batch: int, pairs: 
         max_len = gpt.target.max_seq_len + (0 if (role, n) == ("target", 1) else gamma + 1)
         # A stream of its own: on a CPU a GPT's cache grows with its calls (KVCache.reserve) and a call reads
         # every slot its cache holds, as the loop's do (a call of a shape on a cache grown past its span by
-        # another shape's would read more); the speculative loop's target cache as that loop keeps it.
-        grow = role == "draft" or n == 1 or discrete_loop.SPECULATIVE_TARGET_CACHE_GROWS
-        return functools.partial(GuidedModel(model, batch, sampling, max_len, grow=grow).forward, idx, tok, pos,
-                                 all_rows=rows == batch, prefix=False)
+        # another shape's would read more); the verify calls' as the speculative loop keeps it (few_reads).
+        few_reads = role == "target" and n > 1
+        return functools.partial(GuidedModel(model, batch, sampling, max_len, few_reads=few_reads).forward, idx, tok,
+                                 pos, all_rows=rows == batch, prefix=False)
     head_pair = pairs[HEAD]
     fed = head_pair.target.max_seq_len
     # The head loops' calls reach slots past the positions fed (a tree's nodes, a padded verify): their spans too.

@@ -93,11 +93,10 @@ def test_growing_caches_give_the_static_caches_samples(pair, monkeypatch, method
     tokens and statistics with caches that grow with their calls (discrete_ar.GROWING_CACHES, every cache
     however small, the speculative loop's target's too) as with caches holding every slot from the start; the caches
     did grow."""
-    from specray.methods.discrete import loop
     from specray.models import discrete_ar
 
     monkeypatch.setattr(discrete_ar, "GROWING_CACHE_MIN_BYTES", 0)
-    monkeypatch.setattr(loop, "SPECULATIVE_TARGET_CACHE_GROWS", True)
+    monkeypatch.setattr(discrete_ar, "FEW_READS_WHOLE_IN_LAST_LEVEL_CACHE", False)
     params = resolve_params(method, {})
     labels, sample_ids = torch.arange(20) % 10, torch.arange(20) + 300
     grown = []
@@ -113,11 +112,10 @@ def test_growing_caches_give_the_static_caches_samples(pair, monkeypatch, method
     assert growing[1] == static[1]
 
 
-def test_the_speculative_loops_target_cache_holds_every_slot(pair, monkeypatch):
-    """sd, 3 samples, every cache that can grow set to (GROWING_CACHE_MIN_BYTES 0): the draft's cache grows with its
-    calls, the target's holds every slot from the start (loop.SPECULATIVE_TARGET_CACHE_GROWS), and target_only's
-    grows."""
-    from specray.methods.discrete import loop
+def test_the_speculative_loops_target_cache_grows_only_past_the_last_level_cache(pair, monkeypatch):
+    """sd and target_only, 3 samples, every cache that can grow set to (GROWING_CACHE_MIN_BYTES 0): the speculative
+    loop's target cache (few_reads) holds every slot from the start where it fits in the CPU's last-level cache and
+    grows where it does not (or where that cache is unknown); the draft's and target_only's grow either way."""
     from specray.models import discrete_ar
 
     monkeypatch.setattr(discrete_ar, "GROWING_CACHE_MIN_BYTES", 0)
@@ -131,15 +129,18 @@ def test_the_speculative_loops_target_cache_holds_every_slot(pair, monkeypatch):
 
     monkeypatch.setattr(discrete_ar.DiscreteGPT, "new_cache", recorded)
     labels, sample_ids = torch.arange(3), torch.arange(3)
-    generate_tokens("sd", resolve_params("sd", {}), pair, labels, sample_ids, seed=1)
-    assert caches == [(True, False), (False, True)]  # (target's, grows)
-    caches.clear()
-    monkeypatch.setattr(loop, "SPECULATIVE_TARGET_CACHE_GROWS", True)
-    generate_tokens("sd", resolve_params("sd", {}), pair, labels, sample_ids, seed=1)
-    assert caches == [(True, True), (False, True)]
-    caches.clear()
-    generate_tokens("target_only", {}, pair, labels, sample_ids, seed=1)
-    assert caches == [(True, True)]
+    # sd's target cache whole: 3 samples' two CFG streams, 80 slots (64 + gamma 4 + 1, rounded), 12 layers' K and V
+    c = pair.target.config
+    slots = discrete_ar.cpu_attention_slots(pair.target.max_seq_len + 5)
+    whole_bytes = 6 * slots * 2 * c.n_layer * c.n_head * c.head_dim * 4
+    for last_level, target_grows in ((whole_bytes, False), (whole_bytes - 1, True), (None, True)):
+        monkeypatch.setattr(discrete_ar, "last_level_cache_bytes", lambda: last_level)
+        caches.clear()
+        generate_tokens("sd", resolve_params("sd", {}), pair, labels, sample_ids, seed=1)
+        assert caches == [(True, target_grows), (False, True)], last_level  # (target's, grows)
+        caches.clear()
+        generate_tokens("target_only", {}, pair, labels, sample_ids, seed=1)
+        assert caches == [(True, True)], last_level
 
 
 @pytest.mark.parametrize("method", list(METHODS))

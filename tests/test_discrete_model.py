@@ -376,6 +376,34 @@ def test_only_a_cache_past_the_size_bound_grows():
     assert (growing.slots, growing.keys[0].shape[1]) == (80, 16)
 
 
+def test_a_cache_of_few_reads_grows_only_past_the_last_level_cache(tmp_path, monkeypatch):
+    """new_cache(few_reads=True) raises the size bound to the CPU's last-level cache, read from Linux's cache levels
+    (here a fake one of 48 KB, 2 MB and 8 MB, and a level whose size is not one): tiny_model's caches of 204 rows
+    (8.36 MB) hold every slot, of 205 rows (8.40 MB) grow, as they do without few_reads past 4 MB; with no levels
+    known, or the rule off, past 4 MB as any other."""
+    for name, level, size in (("index0", "1", "48K"), ("index2", "2", "2048K"), ("index3", "3", "8M"),
+                              ("index4", "4", "unknown")):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "level").write_text(level + "\n")
+        (tmp_path / name / "size").write_text(size + "\n")
+    assert discrete_ar.last_level_cache_bytes(tmp_path) == 8 << 20
+    assert discrete_ar.last_level_cache_bytes(tmp_path / "none") is None
+    model = tiny_model()
+    per_row = 2 * 2 * 80 * 32 * 4
+    assert 204 * per_row <= 8 << 20 < 205 * per_row
+
+    def grows(rows: int, few_reads: bool) -> bool:
+        return model.new_cache(rows, 70, few_reads=few_reads).slots is not None
+
+    monkeypatch.setattr(discrete_ar, "last_level_cache_bytes", lambda: 8 << 20)
+    assert (grows(204, True), grows(205, True), grows(103, False)) == (False, True, True)
+    monkeypatch.setattr(discrete_ar, "FEW_READS_WHOLE_IN_LAST_LEVEL_CACHE", False)
+    assert grows(103, True)
+    monkeypatch.setattr(discrete_ar, "FEW_READS_WHOLE_IN_LAST_LEVEL_CACHE", True)
+    monkeypatch.setattr(discrete_ar, "last_level_cache_bytes", lambda: None)
+    assert (grows(102, True), grows(103, True)) == (False, True)
+
+
 def test_a_growing_cache_gives_the_static_caches_results(monkeypatch):
     """A CPU cache that grows with its calls (KVCache.reserve) against one holding every slot from the start:
     the same logits at every call (level steps across the 16-slot boundaries, a ragged verify with a row

@@ -80,6 +80,13 @@ GROWING_CACHES = True
 # slots per growth and its per-tensor Python: at batch 1 the digits presets' target cache (1 MB) grew four times a
 # batch and the draft's four more, some 1.9 ms of a 30-36 ms sd batch (0 restores growing for every cache, for A/B).
 GROWING_CACHE_MIN_BYTES = 4 << 20
+# A cache whose calls read it few times a batch (new_cache's few_reads: the speculative loop's target, one verify call
+# a round against target_only's call a token) grows only where it would not fit in the CPU's last-level cache: a growth
+# copies every held slot, and what it saves is each call's reads of short stretches, cheap from that cache. In turns
+# in one process on the AVX-512 machine (260 MB of L3), batches 32 and 128 (31 and 126 MB): sd 4-26 % and 2-16 %
+# faster whole, cool_sd likewise less; on the AMD EPYC machine (32 MB) growing read sd 1.06x faster at 128 and 0.95x at
+# 32 (docs/benchmarks.md). False: such caches grow as any other (for A/B).
+FEW_READS_WHOLE_IN_LAST_LEVEL_CACHE = True
 # Whether an eager CPU call runs its layers in one call of the C++ extension where it is built (fused_layers: the
 # same ATen operations without Python's share of their dispatch; False: the Python layers, for A/B).
 FUSED_LAYERS = True
@@ -655,6 +662,21 @@ def _check_slots(what: str, slots: torch.Tensor, max_len: int, last: int | None 
     return last
 
 
+@functools.lru_cache(maxsize=4)
+def last_level_cache_bytes(caches: Path = Path("/sys/devices/system/cpu/cpu0/cache")) -> int | None:
+    """The size of the CPU's last-level cache as Linux reports it (the highest level of ``caches``), or None where
+    it does not."""
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    levels = {}
+    for index in caches.glob("index*"):
+        try:
+            level, size = (index / "level").read_text().strip(), (index / "size").read_text().strip()
+            levels[int(level)] = int(size[:-1]) * units[size[-1]] if size[-1] in units else int(size)
+        except (OSError, ValueError):  # a file missing or not a size: that level unknown
+            continue
+    return levels[max(levels)] if levels else None
+
+
 def _grown(old: torch.Tensor, slots: int) -> torch.Tensor:
     """The K or V slots ``old`` in a cache of ``slots`` slots (:func:`kv_slots`): the held ones copied, the
     rest zero."""
@@ -959,10 +981,10 @@ class DiscreteGPT(nn.Module):
 
     # ---- cached incremental forward ----------------------------------------------------
 
-    def new_cache(self, batch_rows: int, max_len: int | None = None, grow: bool = True) -> KVCache:
-        """Empty cache for ``batch_rows`` rows (both CFG halves count as rows). ``grow=False``: every slot held from
-        the start even where the cache would grow (:data:`GROWING_CACHES`), for a caller whose calls read the cache
-        too few times for growth's copies to pay (the speculative loop's target, one verify call a round)."""
+    def new_cache(self, batch_rows: int, max_len: int | None = None, few_reads: bool = False) -> KVCache:
+        """Empty cache for ``batch_rows`` rows (both CFG halves count as rows). ``few_reads``: its calls read it few
+        times a batch, so on a CPU it grows only where it would not fit in the last-level cache
+        (:data:`FEW_READS_WHOLE_IN_LAST_LEVEL_CACHE`)."""
         max_len = self.max_seq_len if max_len is None else max_len
         p = self.output.weight
         # A compiled step's caches are static inputs of its CUDA graphs: the same buffers, at the same addresses,
@@ -976,8 +998,11 @@ class DiscreteGPT(nn.Module):
         slots = None
         per_slot = 2 * len(self.layers) * self.config.n_head * self.config.head_dim * p.element_size()  # K and V
         full_bytes = batch_rows * cpu_attention_slots(max_len) * per_slot
-        if (grow and GROWING_CACHES and p.device.type == "cpu" and self.compiled_decode is None and not self.caption_conditioned
-                and full_bytes > GROWING_CACHE_MIN_BYTES):
+        whole_up_to = GROWING_CACHE_MIN_BYTES
+        if few_reads and FEW_READS_WHOLE_IN_LAST_LEVEL_CACHE:
+            whole_up_to = max(whole_up_to, last_level_cache_bytes() or 0)
+        if (GROWING_CACHES and p.device.type == "cpu" and self.compiled_decode is None and not self.caption_conditioned
+                and full_bytes > whole_up_to):
             # A growing cache (KVCache.reserve): the first span's slots now, the rest as calls need them (a large one:
             # GROWING_CACHE_MIN_BYTES).
             slots, shape["max_len"] = cpu_attention_slots(max_len), ATTENTION_SPAN_QUANTUM

@@ -71,11 +71,6 @@ from specray.models.tokenizers import to_images
 FAMILY = "discrete_ar"
 # A call for at least this share of the batch's samples runs on every row (see GuidedModel._park_other_rows).
 FULL_CALL_FRACTION = 0.5
-# Whether the speculative loop's target cache grows with its calls where a cache would (DiscreteGPT.new_cache). A
-# growth copies every held slot; the reads it saves are per call, and the target makes one verify call a round, some 28
-# full-batch calls a batch against target_only's 64. On the digits presets, in turns in one process, batches of 32 and
-# 128: sd and cool_sd ran 2-10 % faster on a static target cache, target_only 5-7 % slower at 128; the same samples.
-SPECULATIVE_TARGET_CACHE_GROWS = False
 
 
 # ---- guided model streams ------------------------------------------------------------------------
@@ -88,12 +83,13 @@ class GuidedModel:
     and its uncond stream (null class) in row ``batch + b``; both always move together.
     """
 
-    def __init__(self, model: DiscreteGPT, batch: int, sampling: Sampling, max_len: int, grow: bool = True) -> None:
+    def __init__(self, model: DiscreteGPT, batch: int, sampling: Sampling, max_len: int,
+                 few_reads: bool = False) -> None:
         self.model = model
         self.batch = batch
         self.sampling = sampling
         self.guided = sampling.uses_uncond
-        self.cache = model.new_cache(2 * batch if self.guided else batch, max_len, grow=grow)
+        self.cache = model.new_cache(2 * batch if self.guided else batch, max_len, few_reads=few_reads)
         self.all_rows = torch.arange(batch, device=self.cache.lengths.device)
         self.calls = 0
         self.softmax = model_softmax(sampling)  # None: the logits are processed here (process_with)
@@ -463,7 +459,8 @@ def _speculative(verifier: Verifier, params: Speculative, pair: ModelPair, label
     batch = labels.shape[0]
     device = labels.device
     max_len = target.max_seq_len + gamma + 1  # room for a row's padded last verify
-    target_stream = GuidedModel(target, batch, params, max_len, grow=SPECULATIVE_TARGET_CACHE_GROWS)
+    # One verify call a round reads the target's cache (DiscreteGPT.new_cache's few_reads).
+    target_stream = GuidedModel(target, batch, params, max_len, few_reads=True)
     draft_stream = GuidedModel(pair.draft, batch, params, max_len)
     tokens = torch.zeros(batch, num_tokens + gamma + 1, dtype=torch.int64, device=device)
     committed = torch.ones(batch, dtype=torch.int64, device=device)  # n_b after the prefill
