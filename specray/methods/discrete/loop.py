@@ -81,6 +81,7 @@ class GuidedModel:
 
     With CFG the cache holds ``2 * batch`` rows: sample ``b``'s cond stream in row ``b``
     and its uncond stream (null class) in row ``batch + b``; both always move together.
+    ``few_reads``: few of the stream's calls read its cache (:meth:`DiscreteGPT.new_cache`).
     """
 
     def __init__(self, model: DiscreteGPT, batch: int, sampling: Sampling, max_len: int,
