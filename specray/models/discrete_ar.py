@@ -82,10 +82,11 @@ GROWING_CACHES = True
 GROWING_CACHE_MIN_BYTES = 4 << 20
 # A cache whose calls read it few times a batch (new_cache's few_reads: the speculative loop's target, one verify call
 # a round against target_only's call a token) grows only where it would not fit in the CPU's last-level cache: a growth
-# copies every held slot, and what it saves is each call's reads of short stretches, cheap from that cache. In turns
-# in one process on the AVX-512 machine (260 MB of L3), batches 32 and 128 (31 and 126 MB): sd 1.09x and 1.04-1.07x
-# faster whole, cool_sd 1.02x and 1.02-1.06x; on the AMD EPYC machine (32 MB) growing read sd 1.06x faster at 128 and
-# 0.95x at 32 (docs/benchmarks.md). False: such caches grow as any other (for A/B).
+# copies every held slot, and what it saves is each call's reads of short stretches, cheap from that cache. On the
+# AVX-512 machine (260 MB of L3) the 50k job's sd and cool_sd batches ran 4-5 % shorter against target_only's with
+# their target caches whole (126 MB at batch 128), and in turns in one process sd at batch 32 (31 MB) 1.09x faster;
+# on the AMD EPYC machine (32 MB) growing read sd 1.06x faster at 128 and 0.95x at 32 (docs/benchmarks.md). False:
+# such caches grow as any other (for A/B).
 FEW_READS_WHOLE_IN_LAST_LEVEL_CACHE = True
 # Whether an eager CPU call runs its layers in one call of the C++ extension where it is built (fused_layers: the
 # same ATen operations without Python's share of their dispatch; False: the Python layers, for A/B).
