@@ -185,9 +185,8 @@ inline float exp_row(float* e, int64_t slots, bool sixteen_lanes) {
     x.store(e + j);
     y.store(e + j + 8);
   }
-  float s[8];
-  (low + high).store(s);
-  return ((s[0] + s[4]) + (s[2] + s[6])) + ((s[1] + s[5]) + (s[3] + s[7]));
+  // lane i + lane i + 8, then ATen's 8-lane reduction: lanes 4, 2 and 1 apart
+  return at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, low + high);
 }
 
 // Whether torch's CPU kernels run in their AVX-512 build in this process (its dispatch, ATEN_CPU_CAPABILITY
