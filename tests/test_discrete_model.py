@@ -376,6 +376,41 @@ def test_only_a_cache_past_the_size_bound_grows():
     assert (growing.slots, growing.keys[0].shape[1]) == (80, 16)
 
 
+@torch.inference_mode()
+def test_an_eager_caches_keys_and_values_are_views_of_one_buffer_and_a_compiled_steps_are_not(monkeypatch):
+    """An eager cache's layers' K and V, made in inference mode as the loops make them, are views of one zeroed buffer
+    (one allocation a cache), each with the layout a buffer of its own has (the same shape and strides, head-major); a
+    compiled step's are a buffer each (a graph's inputs, none a view of another's), and so are a cache's made where
+    autograd records; all give the same logits. Growing, a view is replaced by a buffer of its own."""
+    model = tiny_model()
+    labels, tokens = random_tokens(3, seed=2)
+    with torch.inference_mode(False), torch.enable_grad():
+        recorded = model.new_cache(3, 70)
+    assert len({t.untyped_storage().data_ptr() for t in (*recorded.keys, *recorded.values)}) == 4
+    eager = model.new_cache(3, 70)
+    storages = {t.untyped_storage().data_ptr() for t in (*eager.keys, *eager.values)}
+    assert len(storages) == 1 and len({t.data_ptr() for t in (*eager.keys, *eager.values)}) == 4
+    assert all(torch.equal(t, torch.zeros_like(t)) for t in (*eager.keys, *eager.values))
+    monkeypatch.setattr(model, "compiled_decode", model.decode_all_rows)  # new_cache only asks whether there is one
+    own = model.new_cache(3, 70)
+    monkeypatch.setattr(model, "compiled_decode", None)
+    assert len({t.untyped_storage().data_ptr() for t in (*own.keys, *own.values)}) == 4
+    assert [(t.shape, t.stride()) for t in (*eager.keys, *eager.values)] == [
+        (t.shape, t.stride()) for t in (*own.keys, *own.values)]
+    positions = torch.arange(0, 6)[None].expand(3, -1)
+    fed = torch.cat([labels[:, None], tokens[:, :5]], 1)
+    assert torch.equal(model.forward_step(fed, positions, eager), model.forward_step(fed, positions, own))
+    assert all(torch.equal(a, b) for a, b in zip((*eager.keys, *eager.values), (*own.keys, *own.values)))
+    monkeypatch.setattr(discrete_ar, "GROWING_CACHE_MIN_BYTES", 0)
+    growing = model.new_cache(3, 70)
+    assert len({t.untyped_storage().data_ptr() for t in (*growing.keys, *growing.values)}) == 1
+    model.forward_step(fed, positions, growing)
+    positions = torch.full((3, 1), 20)
+    model.forward_step(tokens[:, 19:20], positions, growing, prefix=False)  # past the first 16 slots: it grows
+    assert growing.keys[0].shape[1] == 32
+    assert len({t.untyped_storage().data_ptr() for t in (*growing.keys, *growing.values)}) == 4
+
+
 def test_a_cache_of_few_reads_grows_only_past_the_last_level_cache(tmp_path, monkeypatch):
     """new_cache(few_reads=True) raises the size bound to the CPU's last-level cache, read from Linux's cache levels
     (here a fake one of 48 KB, 2 MB and 8 MB, and a level whose size is not one): tiny_model's caches of 204 rows

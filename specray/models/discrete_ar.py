@@ -1007,9 +1007,18 @@ class DiscreteGPT(nn.Module):
             # A growing cache (KVCache.reserve): the first span's slots now, the rest as calls need them (a large one:
             # GROWING_CACHE_MIN_BYTES).
             slots, shape["max_len"] = cpu_attention_slots(max_len), ATTENTION_SPAN_QUANTUM
+        if static or torch.is_grad_enabled():
+            # A buffer each: a graph's inputs, none a view of another's; and where autograd records the calls' writes
+            # (outside the loops' inference mode), which it refuses into views of one buffer.
+            keys = [kv_slots(batch_rows, **shape) for _ in self.layers]
+            values = [kv_slots(batch_rows, **shape) for _ in self.layers]
+        else:  # every layer's K and V views of one buffer: one allocation, where a buffer each cost 6-10 us apiece
+            layers = len(self.layers)
+            blocks = kv_slots(2 * layers, batch_rows, **shape)
+            keys, values = [blocks[i] for i in range(layers)], [blocks[layers + i] for i in range(layers)]
         cache = KVCache(
-            keys=[kv_slots(batch_rows, **shape) for _ in self.layers],
-            values=[kv_slots(batch_rows, **shape) for _ in self.layers],
+            keys=keys,
+            values=values,
             lengths=buffer_reuse.zeros(batch_rows, dtype=torch.int64, device=p.device, static=static),
             prefix_valid=prefix_valid,
             slots=slots,
