@@ -11,8 +11,8 @@ process CPU time in ms per target call (medians over ``--reps``, one torch threa
 
 - ``run``: the batches as they run; ``calls``: the time inside their model calls; ``between``: the rest, the
   loop's work as the run pays it (``bench/discrete.py``'s ``loop``);
-- ``alone``: the batches with each model call handing back its value: the loop's work warm, and a figure a change to
-  the loop can be judged by without the calls' noise;
+- ``alone``: the batches with each model call handing back its value, each timed right after an untimed such run of
+  the same batch: the loop's work warm, and a figure a change to the loop can be judged by without the calls' noise;
 - ``between/alone``: what the loop's work costs more between model calls than alone (median of the paired ratios).
 
     python bench/loop_only.py [--batch 1] [--samples 12] [--reps 5] [--arms "target_only,sd,eagle sd"]
@@ -118,7 +118,8 @@ def bench(arms: list[tuple[str, str, dict[str, Any], Any]], work: list, reps: in
         method, params, pair = by_name[arm]
         values = recorded[arm][position[name] % len(work)][0]
         position[name] += 1
-        if name.endswith(ALONE):
+        if name.endswith(ALONE):  # once untimed, then timed: the work warm, not after the other arms' runs
+            run_alone(method, params, pair, *unit, seed, values)
             return run_arm(lambda *a: run_alone(*a, values), method, params, pair, [unit], seed)[0]
         return run_arm(run_batch, method, params, pair, [unit], seed)[0]
 
