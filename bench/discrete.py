@@ -336,12 +336,17 @@ def cost_timer(pairs: dict[str, ModelPair], batch: int, gamma: int, shapes: list
     return InterleavedTimer(calls, pairs[DRAFT].device, seconds=PART_SECONDS, warm_seconds=WARM_SECONDS)
 
 
+def arm_params(method: str, params: dict[str, Any], gamma: int | None) -> dict[str, Any]:
+    """An arm's parameters (a row of :data:`ARMS`) with the chains' ``gamma`` (None: the method's default);
+    target_only and the trees take none (a tree's depth is its draft length)."""
+    chain = gamma is not None and method != "target_only" and "tree" not in params
+    return {**params, "gamma": gamma} if chain else {**params}
+
+
 def bench_batch(pairs: dict[str, ModelPair], batch: int, samples: int, reps: int, gamma: int, seed: int,
                 cost_timings: int, replay: bool = True) -> tuple[list[ArmResult], dict[str, dict[str, float]]]:
     work = batches_of(samples, batch)
-    chain = {} if gamma is None else {"gamma": gamma}
-    arms = [(name, method, {**params, **({} if method == "target_only" or "tree" in params else chain)}, pairs[draft])
-            for name, method, params, draft in ARMS]
+    arms = [(name, method, arm_params(method, params, gamma), pairs[draft]) for name, method, params, draft in ARMS]
     # Warm-up (allocator, kernels, neighbour tables), then the untimed counting pass.
     for _, method, params, pair in arms:
         run_arm(run_batch, method, params, pair, work[:1], seed)

@@ -61,8 +61,8 @@ class Family:
 
 def discrete_family(gamma: int, batch: int) -> Family:
     pairs = {draft: discrete.load_pair(discrete.TARGET, draft, "cpu") for draft in (discrete.DRAFT, discrete.HEAD)}
-    arms = {name: (method, {**params, **({} if method == "target_only" or "tree" in params else {"gamma": gamma})},
-                   pairs[draft]) for name, method, params, draft in discrete.ARMS}
+    arms = {name: (method, discrete.arm_params(method, params, gamma), pairs[draft])
+            for name, method, params, draft in discrete.ARMS}
 
     def prices(counts: list[Any]) -> tuple[Callable[[], None], Callable[[], Callable[[str], float]]]:
         shapes = discrete.shapes_to_time(counts, batch)

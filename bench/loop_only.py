@@ -162,11 +162,8 @@ def main(argv: list[str] | None = None) -> None:
     device = torch.device("cpu")
     heap = "kept" if keep_freed_memory() else "glibc's default"
     pairs = {draft: discrete.load_pair(discrete.TARGET, draft, device) for _, _, draft in rows.values()}
-    arms = []
-    for name in chosen:
-        method, params, draft = rows[name]
-        params = {**params, "gamma": args.gamma} if method != "target_only" and "tree" not in params else params
-        arms.append((name, method, params, pairs[draft]))
+    arms = [(name, rows[name][0], discrete.arm_params(*rows[name][:2], args.gamma), pairs[rows[name][2]])
+            for name in chosen]
     samples = args.samples or (12 if args.batch == 1 else 2 * args.batch)
     work = batches_of(samples, args.batch)
     print(f"# specray loop-only bench: {discrete.TARGET} with {discrete.DRAFT} or {discrete.HEAD} on "

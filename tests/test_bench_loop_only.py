@@ -73,3 +73,15 @@ def test_an_unknown_arm_is_refused_with_the_choices(capsys):
         loop_only.main(["--arms", "sd,nope"])
     assert exc.value.code == 2
     assert "--arms: unknown ['nope']; the rows of bench/discrete.py are ['target_only', 'sd'" in capsys.readouterr().err
+
+
+def test_the_benches_give_the_chains_gamma_and_target_only_and_the_trees_none():
+    # bench/discrete.py, bench/in_place.py and this script build their arms' parameters by one rule
+    made = {name: discrete.arm_params(method, params, 3) for name, method, params, _ in discrete.ARMS}
+    assert made["target_only"] == {} and made["sd"] == {"gamma": 3}
+    assert made["cool_sd d=2.0"] == {"delta": 2.0, "gamma": 3}
+    assert made["eagle sd"] == {"gamma": 3} and made["eagle sd small"] == {"tree": "small"}
+    assert discrete.arm_params("sd", {}, None) == {}
+    row = dict(discrete.ARMS[1][2])
+    discrete.arm_params("sd", discrete.ARMS[1][2], 3)["gamma"] = 9  # a copy: the table's row is left alone
+    assert discrete.ARMS[1][2] == row
