@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
 import torch
 
 from specray.methods.common import RoundTally
+from specray.models import cpu_kernels
 
 
 def _stats(tally: RoundTally, num_tokens: int) -> list[dict]:
@@ -39,10 +41,20 @@ def _added_row_by_row(batch: int, gamma: int, num_tokens: int, rounds: list[tupl
     return rows_stats
 
 
-def test_rounds_folded_by_flush_equal_rounds_added_row_by_row():
+@pytest.mark.parametrize("fold", ["kernel", "torch"])
+def test_rounds_folded_by_flush_equal_rounds_added_row_by_row(fold, monkeypatch):
     # 60 rounds on 6 rows (seed 3): full and partial rounds mixed (a partial round's rows in a random order), masks of
     # two widths, tree-like drafted counts on some, prefix rounds and tree rounds on others, and a flush half way (a
-    # tally flushed twice folds each round once).
+    # tally flushed twice folds each round once). The prefix rounds folded by the extension's one call, and by torch's
+    # operations.
+    if fold == "kernel" and cpu_kernels.extension() is None:
+        pytest.skip("specray's C++ extension is not built here")
+    if fold == "torch":
+        monkeypatch.setattr(cpu_kernels, "loaded", lambda: None)
+    in_one_call = []
+    one_call = RoundTally._prefix_rounds_in_one_call
+    monkeypatch.setattr(RoundTally, "_prefix_rounds_in_one_call", lambda self: in_one_call.append(one_call(self))
+                        or in_one_call[-1])
     gen = torch.Generator().manual_seed(3)
     batch, gamma, num_tokens = 6, 4, 40
     tally = RoundTally(batch, gamma, num_tokens)
@@ -95,6 +107,30 @@ def test_rounds_folded_by_flush_equal_rounds_added_row_by_row():
         assert row["accepted_per_position"] == want["per_position"]
         assert timeline["drafted"] == want["timeline_drafted"] and timeline["accepted"] == want["timeline_accepted"]
     assert all(s["num_spec_steps"] > 0 and s["num_accepted_draft_tokens"] > 0 for s in stats)
+    assert in_one_call == ([True, True] if fold == "kernel" else [False, False])  # the flush half way and the last
+
+
+def test_the_kernel_refuses_prefix_rounds_it_does_not_serve_and_writes_nothing():
+    kernels = cpu_kernels.extension()
+    if kernels is None:
+        pytest.skip("specray's C++ extension is not built here")
+    tally = RoundTally(2, 3, 10)
+    counters = (tally.rounds, tally.drafted, tally.accepted, tally.per_position, tally.timeline_drafted,
+                tally.timeline_accepted)
+    rows, positions = torch.arange(2), torch.tensor([[2, 3, 4, 5], [0, 1, 2, 3]])
+    n_drafted, n_accepted = torch.tensor([3, 4]), torch.tensor([1, 4])
+    assert kernels.fold_prefix_rounds([rows], [positions], [n_drafted], [n_accepted], *counters)
+    assert tally.rounds.tolist() == [1, 1] and tally.accepted.tolist() == [1, 4]
+    assert tally.per_position.tolist() == [[1, 0, 0], [1, 1, 1]]  # the first gamma = 3 slots of 4
+    before = [c.clone() for c in counters]
+    refused = [([rows], [positions + 11], [n_drafted], [n_accepted]),  # past the timelines' 14 columns
+               ([rows + 1], [positions], [n_drafted], [n_accepted]),  # a row past the batch
+               ([rows], [positions.int()], [n_drafted], [n_accepted]),  # not int64
+               ([rows], [positions], [n_drafted[:1]], [n_accepted])]  # counts of one row for two
+    served = (rows, positions, n_drafted, n_accepted)
+    for bad in refused:  # after a served round: nothing is written unless every round is served
+        assert not kernels.fold_prefix_rounds(*([good, *worse] for good, worse in zip(served, bad)), *counters)
+    assert all(torch.equal(c, b) for c, b in zip(counters, before))
 
 
 def test_a_tree_round_counts_its_depths_and_nodes():

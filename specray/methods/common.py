@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from specray.models import cpu_kernels
+
 
 @dataclass
 class SampleStats:
@@ -206,7 +208,8 @@ class RoundTally:
     def flush(self) -> None:
         """Fold the rounds kept aside into the counters (to_stats does it too): the rounds of a kind and width (a tree's
         table) at once, their rows concatenated (integer sums: the order does not matter)."""
-        for group in _grouped(self._prefix_rounds, lambda kept: kept[1].shape[1]):
+        prefix_rounds = [] if self._prefix_rounds_in_one_call() else self._prefix_rounds
+        for group in _grouped(prefix_rounds, lambda kept: kept[1].shape[1]):
             rows, (positions, n_drafted, n_accepted) = self._joined(group, 3)
             slot = self.slots(positions.shape[1])
             self._fold(rows, positions, slot < n_drafted[:, None], slot < n_accepted[:, None], n_drafted)
@@ -218,6 +221,17 @@ class RoundTally:
             rows, kept = self._joined(group, 3)
             self._fold(rows, *self._tree_masks(*kept, group[0][4]))
         self._prefix_rounds, self._mask_rounds, self._tree_rounds = [], [], []
+
+    def _prefix_rounds_in_one_call(self) -> bool:
+        """Fold the prefix rounds by the C++ extension's one call (``fold_prefix_rounds``: the same integer sums, each
+        round at its own width) where the counters are on a CPU and this process has the extension loaded; False,
+        with nothing folded, where it does not serve them: at batch 1 flush's torch operations took 0.26 ms a sample's 22
+        rounds, the call 0.01 ms."""
+        kernels = cpu_kernels.loaded() if self._prefix_rounds and self.rounds.device.type == "cpu" else None
+        return kernels is not None and kernels.fold_prefix_rounds(
+            [self._all_rows if kept[0] is None else kept[0] for kept in self._prefix_rounds],
+            *([kept[i] for kept in self._prefix_rounds] for i in (1, 2, 3)),
+            self.rounds, self.drafted, self.accepted, self.per_position, self.timeline_drafted, self.timeline_accepted)
 
     def _joined(self, group: list[tuple], n: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """The rounds' rows (every row where a round's are None) and their first ``n`` tensors, concatenated."""

@@ -1,16 +1,16 @@
 """specray's C++ kernels for the discrete models' decode steps and verify calls on a CPU (``csrc/``): a model's layers
 in one call, with the work around them (:class:`~specray.models.discrete_ar.FusedLayers`), the attention of
-:mod:`~specray.models.decode_attention`, the K/V writes of :class:`~specray.models.discrete_ar.BlockWrite`, the
-RMSNorm of :mod:`~specray.models.cpu_norm`, the speculative rounds' decisions and draws of
+:mod:`~specray.models.decode_attention`, the K/V writes of :class:`~specray.models.discrete_ar.BlockWrite`, the RMSNorm
+of :mod:`~specray.models.cpu_norm`, the speculative rounds' decisions and draws of
 :mod:`~specray.methods.discrete.cpu_rounds`, the static-tree rounds' decisions, children draws
-(:mod:`~specray.methods.discrete.cpu_tree_rounds`) and K/V moves, the discrete rounds' bookkeeping (positions,
-masks, uniforms, the draft and verify calls' inputs and commits: ``cpu_rounds.bookkeeping``), the diffusion rounds'
-draws (:mod:`~specray.methods.diffusion.cpu_draws`), log ratios (:mod:`~specray.methods.diffusion.cpu_ratios`),
-drafted states (:mod:`~specray.methods.diffusion.cpu_draft`), verdicts (:mod:`~specray.methods.diffusion.rules`) and
-residual draws (:mod:`~specray.methods.diffusion.residual`, these two where a process has loaded it already), the
-work after a diffusion round's verify call in one call (:mod:`~specray.methods.diffusion.cpu_commit`), a diffusion
-round's slots (:mod:`~specray.methods.diffusion.cpu_slots`), and the hash of :mod:`specray.rng` likewise, one
-extension.
+(:mod:`~specray.methods.discrete.cpu_tree_rounds`) and K/V moves, the discrete rounds' bookkeeping (positions, masks,
+uniforms, the draft and verify calls' inputs and commits: ``cpu_rounds.bookkeeping``; the tally's prefix rounds:
+:meth:`~specray.methods.common.RoundTally.flush`), the diffusion rounds' draws
+(:mod:`~specray.methods.diffusion.cpu_draws`), log ratios (:mod:`~specray.methods.diffusion.cpu_ratios`), drafted states
+(:mod:`~specray.methods.diffusion.cpu_draft`), verdicts (:mod:`~specray.methods.diffusion.rules`) and residual draws
+(:mod:`~specray.methods.diffusion.residual`, these two where a process has loaded it already), the work after a
+diffusion round's verify call in one call (:mod:`~specray.methods.diffusion.cpu_commit`), a diffusion round's slots
+(:mod:`~specray.methods.diffusion.cpu_slots`), and the hash of :mod:`specray.rng` likewise, one extension.
 
 It is built on first use with torch's C++ extension tools (g++ and ninja; about 45 s on 2 cores, then cached
 under ``~/.cache/torch_extensions``, one folder per Python environment). Where it cannot be built (no AVX2, no compiler), or with

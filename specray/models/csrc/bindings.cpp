@@ -36,6 +36,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("chain_verify_inputs", &chain_verify_inputs, "a draft GPT's round's verify call's inputs, every row taking "
         "part");
   m.def("chain_commit", &chain_commit, "a draft GPT's round's commit: the next token, the caches' lengths");
+  m.def("fold_prefix_rounds", &fold_prefix_rounds, "a round tally's prefix rounds folded into its counters");
   m.def("tree_masks", &tree_masks, "a static tree round's slots, positions and attention masks");
   m.def("tree_uniforms", &tree_uniforms, "a static tree round's uniforms per node");
   m.def("tree_commit", &tree_commit, "a static tree round's commit: tokens, the path's K/V and hidden states");

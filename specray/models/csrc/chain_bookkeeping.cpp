@@ -1,6 +1,7 @@
 // A draft GPT's speculative round's bookkeeping on a CPU, one call each where every row of the batch takes part: the
 // round's positions, uniforms and draft calls' inputs; the verify call's inputs; and its commit (the correction / bonus
-// into the token buffer, both caches' lengths, the committed lengths). The values of
+// into the token buffer, both caches' lengths, the committed lengths); and, once a batch, its tally's prefix rounds
+// folded into the tally's counters (specray/methods/common.py's RoundTally.flush). The values of
 // specray/methods/discrete/loop.py's torch operations (about 25 of them a round, a few microseconds of dispatch each
 // at batch 1): integer sums, a minimum, copies, and the uniforms' hash (splitmix.h: integer arithmetic and an exact
 // conversion to a double).
@@ -211,6 +212,68 @@ bool chain_commit(at::Tensor& tokens, at::Tensor& committed, at::Tensor& target_
       draft[row] = kept_draft;
     }
     n[b] = last + 1;
+  }
+  return true;
+}
+
+// See kernels.h.
+bool fold_prefix_rounds(const std::vector<at::Tensor>& rows, const std::vector<at::Tensor>& positions,
+                        const std::vector<at::Tensor>& n_drafted, const std::vector<at::Tensor>& n_accepted,
+                        at::Tensor& rounds, at::Tensor& drafted, at::Tensor& accepted, at::Tensor& per_position,
+                        at::Tensor& timeline_drafted, at::Tensor& timeline_accepted) {
+  const size_t kept = rows.size();
+  if (positions.size() != kept || n_drafted.size() != kept || n_accepted.size() != kept ||
+      !on_cpu({&rounds, &drafted, &accepted, &per_position, &timeline_drafted, &timeline_accepted}, at::kLong) ||
+      rounds.dim() != 1 || drafted.dim() != 1 || accepted.dim() != 1 || per_position.dim() != 2 ||
+      timeline_drafted.dim() != 2 || timeline_accepted.dim() != 2) {
+    return false;
+  }
+  const int64_t batch = rounds.size(0), width = timeline_drafted.size(1);
+  if (drafted.size(0) != batch || accepted.size(0) != batch || per_position.size(0) != batch ||
+      timeline_drafted.size(0) != batch || timeline_accepted.sizes() != timeline_drafted.sizes()) {
+    return false;
+  }
+  // Every round checked before any is folded: nothing is written unless every one is served.
+  for (size_t k = 0; k < kept; ++k) {
+    const at::Tensor &r = rows[k], &p = positions[k], &d = n_drafted[k], &a = n_accepted[k];
+    if (!on_cpu({&r, &p, &d, &a}, at::kLong) || r.dim() != 1 || p.dim() != 2 || d.dim() != 1 || a.dim() != 1 ||
+        p.size(0) != r.size(0) || d.size(0) != r.size(0) || a.size(0) != r.size(0)) {
+      return false;
+    }
+    const auto row = r.accessor<int64_t, 1>();
+    const auto position = p.accessor<int64_t, 2>();
+    for (int64_t i = 0; i < r.size(0); ++i) {
+      if (row[i] < 0 || row[i] >= batch) return false;
+      for (int64_t s = 0; s < p.size(1); ++s) {
+        if (position[i][s] < 0 || position[i][s] >= width) return false;
+      }
+    }
+  }
+  auto round_count = rounds.accessor<int64_t, 1>();
+  auto drafted_count = drafted.accessor<int64_t, 1>();
+  auto accepted_count = accepted.accessor<int64_t, 1>();
+  auto per_slot = per_position.accessor<int64_t, 2>();
+  auto drafted_at = timeline_drafted.accessor<int64_t, 2>();
+  auto accepted_at = timeline_accepted.accessor<int64_t, 2>();
+  const int64_t counted_slots = per_position.size(1);
+  for (size_t k = 0; k < kept; ++k) {
+    const auto row = rows[k].accessor<int64_t, 1>();
+    const auto position = positions[k].accessor<int64_t, 2>();
+    const auto n_d = n_drafted[k].accessor<int64_t, 1>();
+    const auto n_a = n_accepted[k].accessor<int64_t, 1>();
+    const int64_t slots = positions[k].size(1);
+    for (int64_t i = 0; i < rows[k].size(0); ++i) {
+      const int64_t b = row[i];
+      round_count[b] += 1;
+      drafted_count[b] += n_d[i];
+      for (int64_t s = 0; s < slots; ++s) {
+        const int64_t was_drafted = s < n_d[i], was_accepted = s < n_a[i];
+        accepted_count[b] += was_accepted;
+        if (s < counted_slots) per_slot[b][s] += was_accepted;
+        drafted_at[b][position[i][s]] += was_drafted;
+        accepted_at[b][position[i][s]] += was_accepted;
+      }
+    }
   }
   return true;
 }

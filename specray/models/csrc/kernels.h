@@ -81,6 +81,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> chain_verify_inputs(const std::ve
 bool chain_commit(at::Tensor& tokens, at::Tensor& committed, at::Tensor& target_lengths, at::Tensor& draft_lengths,
                   const at::Tensor& n_accepted, const at::Tensor& next_token, const at::Tensor& n_drafts);
 
+// specray.methods.common.RoundTally's prefix rounds folded into its counters (chain_bookkeeping.cpp), the integer sums
+// of its torch operations: round k's rows rows[k] [r] (batch rows), the token index of each draft slot positions[k]
+// [r, G], the drafted and accepted counts n_drafted[k], n_accepted[k] [r]. A row takes one round, n_drafted drafts,
+// the slots s < n_accepted accepted (per_position's first min(G, gamma) columns), and its timelines count the slots
+// s < n_drafted drafted and s < n_accepted accepted at their positions. False, with nothing written, where a call is not
+// one it serves (a tensor not int64 on a CPU, shapes that disagree, a row or a position outside the counters).
+bool fold_prefix_rounds(const std::vector<at::Tensor>& rows, const std::vector<at::Tensor>& positions,
+                        const std::vector<at::Tensor>& n_drafted, const std::vector<at::Tensor>& n_accepted,
+                        at::Tensor& rounds, at::Tensor& drafted, at::Tensor& accepted, at::Tensor& per_position,
+                        at::Tensor& timeline_drafted, at::Tensor& timeline_accepted);
+
 // A static tree round's slots, positions and masks (tree_bookkeeping.cpp), with the values of
 // specray/methods/discrete/eagle_loop.py's torch operations, for cache rows with committed lengths n_rows [rows] on
 // the tree of depths [N + 1] and ancestor mask tree_visible [N + 1, N + 1] (node v sees node j): slots n + v and
