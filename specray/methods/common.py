@@ -260,7 +260,8 @@ class RoundTally:
         ``num_positions`` columns).
         """
         self.flush()
-        host = {name: getattr(self, name).cpu() for name in
+        # Python ints by one tolist a counter: indexing a tensor element by element cost a batch of 32 0.5 ms
+        host = {name: getattr(self, name).tolist() for name in
                 ("rounds", "drafted", "accepted", "per_position", "target_calls", "draft_calls")}
         if timeline:
             drafted = self.timeline_drafted[:, :self.num_positions].tolist()
@@ -272,12 +273,12 @@ class RoundTally:
                 row_extra["acceptance_timeline"] = {"accepted": accepted[b], "drafted": drafted[b]}
             stats.append(SampleStats(
                 num_tokens=num_tokens,
-                num_spec_steps=int(host["rounds"][b]),
-                num_draft_tokens=int(host["drafted"][b]),
-                num_accepted_draft_tokens=int(host["accepted"][b]),
-                accepted_per_position=[int(x) for x in host["per_position"][b]],
-                target_calls=int(host["target_calls"][b]),
-                draft_calls=int(host["draft_calls"][b]),
+                num_spec_steps=host["rounds"][b],
+                num_draft_tokens=host["drafted"][b],
+                num_accepted_draft_tokens=host["accepted"][b],
+                accepted_per_position=host["per_position"][b],
+                target_calls=host["target_calls"][b],
+                draft_calls=host["draft_calls"][b],
                 extra=row_extra,
             ))
         return stats
