@@ -51,10 +51,14 @@ def test_rounds_folded_by_flush_equal_rounds_added_row_by_row(fold, monkeypatch)
         pytest.skip("specray's C++ extension is not built here")
     if fold == "torch":
         monkeypatch.setattr(cpu_kernels, "loaded", lambda: None)
-    in_one_call = []
+    in_one_call = []  # what each flush's call answered
     one_call = RoundTally._prefix_rounds_in_one_call
-    monkeypatch.setattr(RoundTally, "_prefix_rounds_in_one_call", lambda self: in_one_call.append(one_call(self))
-                        or in_one_call[-1])
+
+    def noted(tally: RoundTally) -> bool:
+        in_one_call.append(one_call(tally))
+        return in_one_call[-1]
+
+    monkeypatch.setattr(RoundTally, "_prefix_rounds_in_one_call", noted)
     gen = torch.Generator().manual_seed(3)
     batch, gamma, num_tokens = 6, 4, 40
     tally = RoundTally(batch, gamma, num_tokens)

@@ -225,8 +225,8 @@ class RoundTally:
     def _prefix_rounds_in_one_call(self) -> bool:
         """Fold the prefix rounds by the C++ extension's one call (``fold_prefix_rounds``: the same integer sums, each
         round at its own width) where the counters are on a CPU and this process has the extension loaded; False,
-        with nothing folded, where it does not serve them: at batch 1 flush's torch operations took 0.26 ms a sample's 22
-        rounds, the call 0.01 ms."""
+        with nothing folded, where it does not serve them (a batch-1 sample's 22 rounds: a flush 0.26 ms by torch's
+        operations, 0.11 ms with this call, which itself takes 0.01 ms)."""
         kernels = cpu_kernels.loaded() if self._prefix_rounds and self.rounds.device.type == "cpu" else None
         return kernels is not None and kernels.fold_prefix_rounds(
             [self._all_rows if kept[0] is None else kept[0] for kept in self._prefix_rounds],
