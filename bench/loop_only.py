@@ -23,7 +23,8 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -40,29 +41,36 @@ from specray.runtime.heap import keep_freed_memory  # noqa: E402
 ALONE = " alone"  # the suffix of an arm's name for its runs with the calls handing back their values
 
 
+@contextmanager
+def calls_replaced(replacement: Callable[[Callable[..., Any]], Callable[..., Any]]) -> Iterator[None]:
+    """Within the block, each model call (``bench/discrete.py``'s ``MODEL_CALLS``) is ``replacement(original)``."""
+    originals = {cls: getattr(cls, name) for cls, name in discrete.MODEL_CALLS.items()}
+    try:
+        for cls, name in discrete.MODEL_CALLS.items():
+            setattr(cls, name, replacement(originals[cls]))
+        yield
+    finally:
+        for cls, name in discrete.MODEL_CALLS.items():
+            setattr(cls, name, originals[cls])
+
+
 def record_values(method: str, params: dict[str, Any], pair: Any, unit: tuple, seed: int
                   ) -> tuple[list[Any], int, Any]:
     """One batch run as it is, every model call's value kept in order; returns the values, the target calls among
     them and the batch's result."""
     values: list[Any] = []
     targets = 0
-    originals = {cls: getattr(cls, name) for cls, name in discrete.MODEL_CALLS.items()}
 
-    def recording(cls: type) -> Callable[..., Any]:
+    def recording(original: Callable[..., Any]) -> Callable[..., Any]:
         def recorded(stream: Any, *args: Any, **kwargs: Any) -> Any:
             nonlocal targets
             targets += discrete.model_role(stream, pair) in ("target", "target_f")
-            values.append(originals[cls](stream, *args, **kwargs))
+            values.append(original(stream, *args, **kwargs))
             return values[-1]
         return recorded
 
-    try:
-        for cls, name in discrete.MODEL_CALLS.items():
-            setattr(cls, name, recording(cls))
+    with calls_replaced(recording):
         result = run_batch(method, params, pair, *unit, seed)
-    finally:
-        for cls, name in discrete.MODEL_CALLS.items():
-            setattr(cls, name, originals[cls])
     return values, targets, result
 
 
@@ -71,7 +79,6 @@ def run_alone(method: str, params: dict[str, Any], pair: Any, labels: torch.Tens
     """The batch run with each model call handing back its recorded value, in order; refuses a run that makes more
     calls than were recorded, or fewer (its loop then went another way)."""
     handed = iter(values)
-    saved = {cls: getattr(cls, name) for cls, name in discrete.MODEL_CALLS.items()}
 
     def hand_back(stream: Any, *args: Any, **kwargs: Any) -> Any:
         value = next(handed, None)
@@ -79,13 +86,8 @@ def run_alone(method: str, params: dict[str, Any], pair: Any, labels: torch.Tens
             raise RuntimeError(f"{method}: the run made more model calls than the {len(values)} recorded")
         return value
 
-    try:
-        for cls, name in discrete.MODEL_CALLS.items():
-            setattr(cls, name, hand_back)
+    with calls_replaced(lambda original: hand_back):
         result = run_batch(method, params, pair, labels, sample_ids, seed)
-    finally:
-        for cls, name in discrete.MODEL_CALLS.items():
-            setattr(cls, name, saved[cls])
     if next(handed, None) is not None:
         raise RuntimeError(f"{method}: the run made fewer model calls than the {len(values)} recorded")
     return result
@@ -161,7 +163,7 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(1)
     device = torch.device("cpu")
     heap = "kept" if keep_freed_memory() else "glibc's default"
-    pairs = {draft: discrete.load_pair(discrete.TARGET, draft, device) for _, _, draft in rows.values()}
+    pairs = {draft: discrete.load_pair(discrete.TARGET, draft, device) for draft in {rows[name][2] for name in chosen}}
     arms = [(name, rows[name][0], discrete.arm_params(*rows[name][:2], args.gamma), pairs[rows[name][2]])
             for name in chosen]
     samples = args.samples or (12 if args.batch == 1 else 2 * args.batch)
